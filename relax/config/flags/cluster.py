@@ -1,0 +1,47 @@
+"""Cluster, resources, data queue and training-mode flags."""
+
+from relax.config.types import json_object, str2bool
+
+
+def add_flags(parser):
+    g = parser.add_argument_group("Ray launch")
+    g.add_argument("--rollout-num-gpus-per-engine", type=int, default=1,
+                   help="GPUs behind one rollout engine; becomes the engine's tensor-parallel size.")
+    g.add_argument("--num-gpus-per-node", type=int, default=8,
+                   help="GPUs on each node; lower it on smaller nodes (colocated runs pack by node).")
+    g.add_argument("--resource", type=json_object, default=None,
+                   help='Per-role replicas and GPUs as JSON, e.g. \'{"actor": [1, 8], "rollout": [1, 8]}\'.')
+    g.add_argument("--colocate", action="store_true", default=False,
+                   help="Share the same GPUs between rollout engines and trainers, taking turns; implies --offload.")
+    g.add_argument("--offload", action="store_true", default=False,
+                   help="Shorthand for --offload-train and --offload-rollout.")
+    g.add_argument("--offload-train", action="store_true", default=None,
+                   help="Move the trainer's weights and optimizer off the device while rollout runs.")
+    g.add_argument("--offload-rollout", action="store_true", default=None,
+                   help="Release rollout engine memory while training runs.")
+    # --distributed-backend and --distributed-timeout-minutes are Megatron's flags (merged below).
+
+    g = parser.add_argument_group("TransferQueue data queue")
+    g.add_argument("--num-data-storage-units", type=int, default=1,
+                   help="How many TransferQueue storage-unit actors hold samples between rollout and training.")
+    g.add_argument("--max-staleness", type=int, default=0,
+                   help="How many steps rollout may run ahead of training (0 = strictly on-policy).")
+    g.add_argument("--polling-mode", type=str2bool, nargs="?", const=True, default=True,
+                   help="Consumers poll TransferQueue for ready samples instead of blocking (true/false).")
+    g.add_argument("--num-iters-per-train-update", type=int, default=1,
+                   help="Optimizer iterations per global batch in the fully asynchronous pipeline.")
+
+    g = parser.add_argument_group("Training backend and mode")
+    g.add_argument("--train-backend", type=str, default="megatron", choices=["megatron"],
+                   help="Training backend.")
+    g.add_argument("--qkv-format", type=str, default="thd", choices=["thd", "bshd"],
+                   help="Attention input layout for Megatron: packed (thd) or padded (bshd; needs --micro-batch-size, no dynamic batching).")
+    g.add_argument("--megatron-to-hf-mode", type=str, default="raw", choices=["raw", "bridge"],
+                   help="How trainer weights are converted to Hugging Face names: Relax's own mapping (raw) or Megatron-Bridge.")
+    g.add_argument("--true-on-policy-mode", action="store_true", default=False,
+                   help="Make training log-probs bit-match the rollout engine's (deterministic kernels).")
+    g.add_argument("--fully-async", action="store_true", default=False,
+                   help="Run rollout, log-prob, advantage and training roles as a streaming asynchronous pipeline.")
+    g.add_argument("--rollout-backend", type=str, default="auto", choices=["auto", "sglang", "embedded"],
+                   help="Inference engine behind the SGLang HTTP API: real SGLang servers, the embedded "
+                        "transformers engine, or auto (SGLang when a GPU and SGLang are present, else embedded).")

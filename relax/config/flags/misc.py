@@ -1,0 +1,67 @@
+"""Other training, debug, network and run-control flags."""
+
+from relax.config.types import byte_size, json_object
+
+
+def add_flags(parser):
+    g = parser.add_argument_group("Run control")
+    g.add_argument("--custom-config-path", type=str, action="append", default=None,
+                   help="YAML or TOML file of flag values (repeatable, merged left to right; command line wins).")
+    g.add_argument("--dry-run", action="store_true", default=False,
+                   help="Validate, write the resolved config to --output-dir, explain the batch arithmetic, and exit.")
+    g.add_argument("--output-dir", type=str, default="runs/relax",
+                   help="Run directory: resolved config, logs, metrics.jsonl, and checkpoints unless --save says otherwise.")
+
+    g = parser.add_argument_group("Other training options")
+    g.add_argument("--train-env-vars", type=json_object, default={},
+                   help="Extra environment variables (JSON object) for training roles.")
+    g.add_argument("--train-memory-margin-bytes", type=byte_size, default=1024**3,
+                   help="Device memory kept free when sizing training buffers (accepts 1GB).")
+    g.add_argument("--disable-weights-backuper", action="store_true", default=False,
+                   help="Do not keep a host copy of weights (saves host memory).")
+    g.add_argument("--custom-model-provider-path", type=str, default=None, help="Dotted path of a Megatron model provider.")
+    g.add_argument("--recompute-loss-function", action="store_true", default=False,
+                   help="Recompute the loss in backward to save memory.")
+    g.add_argument("--log-probs-chunk-size", type=int, default=-1,
+                   help="Compute log-probs in chunks of this many tokens (-1: no chunking).")
+    g.add_argument("--allgather-cp", action="store_true", default=False,
+                   help="All-gather context-parallel shards before attention.")
+    g.add_argument("--model-name", type=str, default=None,
+                   help="Model family for weight conversion (default: read from --hf-checkpoint's config).")
+    g.add_argument("--only-load-weight", action="store_true", default=False,
+                   help="Reference and old-policy roles load weights only (no optimizer state).")
+    g.add_argument("--rlsp-server-port", type=int, default=8234, help="HTTP port of the RLSP server.")
+
+    g = parser.add_argument_group("Model architecture extensions")
+    g.add_argument("--post-self-attn-layernorm", action="store_true", default=False,
+                   help="Extra norm after self-attention (GLM4 family).")
+    g.add_argument("--post-mlp-layernorm", action="store_true", default=False,
+                   help="Extra norm after the MLP (GLM4 family).")
+
+    g = parser.add_argument_group("Debug")
+    g.add_argument("--debug-rollout-only", action="store_true", default=False, help="Run rollout only; no training.")
+    g.add_argument("--debug-train-only", action="store_true", default=False, help="Run training only; no rollout.")
+    g.add_argument("--load-debug-rollout-data", type=str, default=None,
+                   help="Train on saved rollout data (implies --debug-train-only); may contain {rollout_id}.")
+    g.add_argument("--load-debug-rollout-data-subsample", type=float, default=None,
+                   help="Fraction (0, 1] of the saved rollout data to use.")
+    g.add_argument("--save-debug-rollout-data", type=str, default=None, help="Save each step's rollout data; may contain {rollout_id}.")
+    g.add_argument("--save-debug-train-data", type=str, default=None, help="Save each step's training data; may contain {rollout_id}.")
+    g.add_argument("--dump-details", type=str, default=None, help="Directory for detailed per-step dumps.")
+    g.add_argument("--check-weight-update-equal", action="store_true", default=False,
+                   help="After each weight sync, compare every engine tensor with the trainer's.")
+    g.add_argument("--memory-snapshot-dir", type=str, default=".", help="Directory for memory snapshots.")
+    g.add_argument("--memory-snapshot-num-steps", type=int, default=None, help="Take memory snapshots for this many steps.")
+    g.add_argument("--profile-target", type=str, nargs="+", default=["train_overall"],
+                   choices=["train_overall", "train_actor", "train_log_probs"], help="What to profile.")
+    g.add_argument("--profile-with-stack", action="store_true", default=False, help="Record stacks in profiles.")
+    g.add_argument("--profile-with-memory", action="store_true", default=False, help="Record memory in profiles.")
+    g.add_argument("--profile-with-flops", action="store_true", default=False, help="Estimate FLOPs in profiles.")
+    g.add_argument("--memory-recorder", type=str, default="torch", choices=["torch", "memray"], help="Memory recorder.")
+    g.add_argument("--enable-cuda-memory-check", action="store_true", default=False,
+                   help="Log free device memory around collectives and attach it to collective errors.")
+
+    g = parser.add_argument_group("Network")
+    g.add_argument("--http-proxy", type=str, default=None, help="HTTP proxy for outgoing requests.")
+    g.add_argument("--use-distributed-post", action="store_true", default=False,
+                   help="Spread HTTP posts over several Ray workers.")

@@ -1,0 +1,39 @@
+"""Reward, generative reward model and on-policy distillation flags."""
+
+from relax.config.types import json_object
+
+
+def add_flags(parser):
+    g = parser.add_argument_group("Reward")
+    g.add_argument("--rm-type", type=str, default=None,
+                   help="Built-in reward: exact_match, math, dapo, deepscaler, f1, gpqa, multiple_choice, random, "
+                        "remote_rm; prefix boxed_ to score the last \\boxed{} answer.")
+    g.add_argument("--custom-rm-path", type=str, default=None,
+                   help="Dotted path of a reward function (args, sample) -> float|dict, sync or async.")
+    g.add_argument("--reward-key", type=str, default=None, help="Key of the reward when the reward function returns a dict.")
+    g.add_argument("--eval-reward-key", type=str, default=None, help="Reward key for evaluation (default --reward-key).")
+    g.add_argument("--group-rm", action="store_true", default=False, help="Score each prompt's group of responses in one call.")
+    g.add_argument("--rm-url", type=str, default=None, help="URL of the remote reward service (--rm-type remote_rm).")
+    g.add_argument("--custom-reward-post-process-path", type=str, default=None,
+                   help="Dotted path of a reward post-processing function (default: GRPO group normalisation).")
+    g.add_argument("--custom-convert-samples-to-train-data-path", type=str, default=None,
+                   help="Dotted path of a function (args, samples) -> dict of training data.")
+    g.add_argument("--reward-error-policy", type=str, default="fail", choices=["fail", "zero"],
+                   help="When a reward function raises: stop the run naming the sample (fail), or score it 0 and "
+                        "count it in the metrics (zero).")
+
+    g = parser.add_argument_group("Generative reward model")
+    g.add_argument("--genrm-model-path", type=str, default=None, help="Model of the generative reward model; enables GenRM.")
+    g.add_argument("--genrm-num-gpus", type=int, default=1, help="GPUs for all GenRM engines.")
+    g.add_argument("--genrm-num-gpus-per-engine", type=int, default=1, help="GPUs per GenRM engine.")
+    g.add_argument("--genrm-engine-config", type=json_object, default=None, help="GenRM engine options as a JSON object.")
+    g.add_argument("--genrm-sampling-config", type=json_object, default=None,
+                   help="GenRM sampling as JSON (temperature, top_p, top_k, max_response_len).")
+
+    g = parser.add_argument_group("On-policy distillation")
+    g.add_argument("--use-opd", action="store_true", default=False, help="Enable on-policy distillation (needs --opd-type).")
+    g.add_argument("--opd-type", type=str, default=None, choices=["sglang", "megatron"],
+                   help="Teacher log-probs from an SGLang server (sglang) or a Megatron teacher (megatron, needs --opd-teacher-load).")
+    g.add_argument("--opd-kl-coef", type=float, default=1.0, help="Weight of the distillation term.")
+    g.add_argument("--opd-teacher-load", type=str, default=None, help="Teacher checkpoint for --opd-type megatron.")
+    g.add_argument("--opd-teacher-ckpt-step", type=int, default=None, help="Teacher checkpoint step.")

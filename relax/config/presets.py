@@ -1,0 +1,65 @@
+"""The embedded default: what `relax-train` runs when no model and no data are given.
+
+It trains a tiny model, built locally, on a small synthetic task with an exact-match reward (see
+`relax.models.tasks`). Preset values only fill flags the user did not set; the model and the data are
+created in `<output-dir>/embedded/` by the controller before any role starts.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+EMBEDDED_MARKER = "embedded_default"
+
+EMBEDDED_PRESET: dict[str, Any] = {
+    "rollout_batch_size": 16,
+    "n_samples_per_prompt": 8,
+    "num_rollout": 60,
+    "rollout_max_response_len": 4,
+    "rollout_temperature": 1.0,
+    "rm_type": "exact_match",
+    "input_key": "input",
+    "label_key": "label",
+    "lr": 1e-3,
+    "lr_warmup_iters": 0,
+    "weight_decay": 0.0,
+    "adam_beta2": 0.99,
+    "clip_grad": 1.0,
+    "micro_batch_size": 16,
+    "rollout_shuffle": True,
+    "resource": {"actor": [1, 1], "rollout": [1, 1]},
+    "distributed_backend": "gloo",
+}
+
+
+def is_embedded_default(values: dict[str, Any], explicit: frozenset[str]) -> bool:
+    """No model and no prompt data given (and not a train-only debug run).
+
+    A resolved config written by --dry-run names the embedded paths explicitly; that still counts.
+    """
+    if values.get("load_debug_rollout_data") or values.get("debug_train_only"):
+        return False
+    given = (values.get("hf_checkpoint"), values.get("prompt_data"))
+    return given == (None, None) or given == embedded_paths(values["output_dir"])
+
+
+def embedded_paths(output_dir: str) -> tuple[str, str]:
+    base = Path(output_dir) / "embedded"
+    return str(base / "model"), str(base / "train.jsonl")
+
+
+def apply_embedded_default(values: dict[str, Any], explicit: frozenset[str]) -> bool:
+    if not is_embedded_default(values, explicit):
+        return False
+    model_dir, data_path = embedded_paths(values["output_dir"])
+    values["hf_checkpoint"] = model_dir
+    values["prompt_data"] = data_path
+    for key, val in EMBEDDED_PRESET.items():
+        if key in values and key not in explicit:
+            values[key] = val
+    if "micro_batch_size" not in explicit:
+        samples = values["rollout_batch_size"] * values["n_samples_per_prompt"]
+        values["micro_batch_size"] = math.gcd(EMBEDDED_PRESET["micro_batch_size"], samples)
+    return True

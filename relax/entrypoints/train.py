@@ -1,0 +1,28 @@
+"""`relax-train` / `python -m relax.entrypoints.train`: parse, validate, then run the controller."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from relax.config import ConfigError, parse_config
+    from relax.config.explain import explain
+    from relax.config.support import require_supported
+
+    try:
+        config = parse_config(argv)
+        if config.dry_run:
+            print(explain(config))
+            return 0
+        require_supported(config)
+    except ConfigError as exc:
+        print(f"relax-train: error: {exc}", file=sys.stderr)
+        return 2
+    from relax.core.controller import run_controller
+
+    return run_controller(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
