@@ -1,0 +1,41 @@
+"""Small shared helpers for the algorithm functions (private)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def float_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The floating dtype to compute in: the widest floating dtype among ``tensors``.
+
+    Half/bfloat16 inputs are promoted to float32 (all reductions are done in at least
+    float32); integer/bool inputs count as float32.
+    """
+    dtype = torch.float32
+    for t in tensors:
+        if t.dtype == torch.float64:
+            dtype = torch.float64
+    return dtype
+
+
+def as_mask(mask: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(bool_mask, float_mask)`` with ``float_mask`` in ``like``'s dtype."""
+    bool_mask = mask.bool() if mask.dtype != torch.bool else mask
+    return bool_mask, bool_mask.to(like.dtype)
+
+
+def zero_outside(x: torch.Tensor, bool_mask: torch.Tensor) -> torch.Tensor:
+    """``x`` with positions outside ``bool_mask`` replaced by exact zeros.
+
+    Uses ``torch.where`` (not multiplication) so NaN/inf garbage in padding never leaks
+    into values or gradients.
+    """
+    return torch.where(bool_mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def per_token(adv: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Broadcast a ``[B]`` per-sample tensor to ``like``'s ``[B, T]`` shape (``[B, T]`` passes)."""
+    if adv.dim() == like.dim() - 1:
+        adv = adv.unsqueeze(-1)
+    return adv.expand_as(like)
+
