@@ -1,0 +1,138 @@
+"""Reward registry: ``get_reward_fn(rm_type)`` and per-sample ``rm_type`` resolution.
+
+A reward function is ``fn(response: str, label, metadata: dict) -> float | dict``;
+it may be a coroutine function, or an object with an ``acall`` coroutine method
+(used by the runner in preference to ``__call__``), like ``remote_rm``.
+
+``boxed_<type>`` extracts the last ``\\boxed{...}`` of the response (nested braces
+handled; the empty string when there is none) and scores it with ``<type>``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Optional
+
+from relax.rollout.rewards import builtin
+from relax.rollout.rewards.math_grader import extract_boxed
+from relax.rollout.rewards.remote import RemoteRewardModel
+
+__all__ = [
+    "RewardFn",
+    "register_reward",
+    "get_reward_fn",
+    "available_reward_types",
+    "resolve_rm_type",
+    "BOXED_PREFIX",
+]
+
+RewardFn = Callable[[str, Any, dict], Any]
+BOXED_PREFIX = "boxed_"
+
+# name -> factory(**options) -> reward fn
+_FACTORIES: dict[str, Callable[..., RewardFn]] = {}
+
+
+def register_reward(name: str, fn: Optional[RewardFn] = None, *, factory: bool = False, overwrite: bool = False):
+    """Register a reward under ``name``.
+
+    ``register_reward("x", fn)`` or as a decorator ``@register_reward("x")``. With
+    ``factory=True`` the registered callable is called with ``get_reward_fn``'s options
+    and must return the reward function.
+    """
+    if name.startswith(BOXED_PREFIX):
+        raise ValueError(f"reward names may not start with {BOXED_PREFIX!r} (reserved prefix): {name!r}")
+
+    def _register(f):
+        if name in _FACTORIES and not overwrite:
+            raise ValueError(f"reward type {name!r} is already registered")
+        _FACTORIES[name] = f if factory else (lambda **_opts: f)
+        return f
+
+    return _register(fn) if fn is not None else _register
+
+
+def available_reward_types() -> list[str]:
+    return sorted(_FACTORIES)
+
+
+def _is_async_capable(fn: Any) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "acall", None))
+
+
+class _BoxedReward:
+    """Extract the last boxed answer, then delegate to the inner reward."""
+
+    def __init__(self, inner: RewardFn, inner_type: str) -> None:
+        self.inner = inner
+        self.inner_type = inner_type
+        if _is_async_capable(inner):
+            self.acall = self._acall  # only async-capable when the inner one is
+
+    @staticmethod
+    def _extract(response: str) -> str:
+        boxed = extract_boxed(str(response))
+        return "" if boxed is None else boxed
+
+    def __call__(self, response: str, label: Any, metadata: Optional[dict] = None) -> Any:
+        if inspect.iscoroutinefunction(self.inner):
+            raise TypeError(f"boxed_{self.inner_type} wraps an async reward; use acall")
+        return self.inner(self._extract(response), label, metadata if metadata is not None else {})
+
+    async def _acall(self, response: str, label: Any, metadata: Optional[dict] = None) -> Any:
+        md = metadata if metadata is not None else {}
+        acall = getattr(self.inner, "acall", None)
+        if acall is not None:
+            return await acall(self._extract(response), label, md)
+        return await self.inner(self._extract(response), label, md)
+
+    def __repr__(self) -> str:
+        return f"boxed({self.inner!r})"
+
+
+def get_reward_fn(rm_type: str, **options: Any) -> RewardFn:
+    """The reward function for ``rm_type``.
+
+    Options go to factory-registered types; ``remote_rm`` takes ``rm_url`` (or ``url``),
+    ``timeout``, ``max_retries``, ``backoff``, ``max_backoff``, ``headers``, ``payload_fn``.
+    Unknown types raise ``ValueError`` listing the known ones.
+    """
+    if not rm_type or not isinstance(rm_type, str):
+        raise ValueError(f"rm_type must be a non-empty string, got {rm_type!r}")
+    if rm_type.startswith(BOXED_PREFIX):
+        inner_type = rm_type[len(BOXED_PREFIX) :]
+        return _BoxedReward(get_reward_fn(inner_type, **options), inner_type)
+    factory = _FACTORIES.get(rm_type)
+    if factory is None:
+        raise ValueError(
+            f"unknown reward type {rm_type!r}; known: {', '.join(available_reward_types())} "
+            f"(and {BOXED_PREFIX}<type>), or pass a custom reward function path"
+        )
+    return factory(**options)
+
+
+def resolve_rm_type(flag_value: Optional[str], metadata: Optional[dict]) -> str:
+    """``metadata["rm_type"]`` when set (per-sample override), else the flag value."""
+    per_sample = (metadata or {}).get("rm_type")
+    rm_type = per_sample or flag_value
+    if not rm_type:
+        raise ValueError("no reward type: set --rm-type (or a custom reward path) or metadata['rm_type']")
+    return str(rm_type)
+
+
+def _remote_factory(
+    rm_url: Optional[str] = None, url: Optional[str] = None, **kwargs: Any
+) -> RemoteRewardModel:
+    allowed = {"timeout", "max_retries", "backoff", "max_backoff", "headers", "payload_fn"}
+    return RemoteRewardModel(rm_url or url, **{k: v for k, v in kwargs.items() if k in allowed})
+
+
+register_reward("exact_match", builtin.exact_match_reward)
+register_reward("math", builtin.math_reward)
+register_reward("dapo", builtin.dapo_reward)
+register_reward("deepscaler", builtin.deepscaler_reward)
+register_reward("f1", builtin.f1_reward)
+register_reward("gpqa", builtin.gpqa_reward)
+register_reward("multiple_choice", builtin.multiple_choice_reward)
+register_reward("random", builtin.random_reward)
+register_reward("remote_rm", _remote_factory, factory=True)

@@ -1,0 +1,386 @@
+"""Concurrent reward scoring with a documented failure policy.
+
+A *sample* is any object (or mapping) with ``response`` (or ``response_text``, as
+``relax.data.sample.Sample`` has), ``label`` and ``metadata`` fields. ``RewardRunner.ascore(samples)`` scores them concurrently on the running
+event loop: async reward functions (coroutines, ``remote_rm``'s ``acall``) are
+awaited, sync ones run in the runner's thread pool; at most ``max_concurrency``
+calls are in flight.
+
+What is called
+  * a custom function (``custom_rm_path`` / ``custom_fn``): ``fn(args, sample)`` per
+    sample, or with ``group_rm=True`` ``fn(args, group)`` once per group, returning one
+    reward per sample of the group;
+  * otherwise the built-in ``get_reward_fn(rm_type)`` per sample as
+    ``fn(response, label, metadata)``, where ``metadata["rm_type"]`` overrides
+    ``rm_type`` per sample (``group_rm`` does not change how built-ins are called).
+
+Rewards
+  A number, or a dict from which ``reward_key`` is taken (when ``reward_key`` is
+  None: ``"reward"``, else ``"score"``). The reward must be a finite number;
+  anything else is a failure.
+
+Failure policy (``on_error``)
+  * ``"fail"`` (default): the first failure raises ``RewardError`` naming the
+    sample index (or the group and its sample range), the reward type and the
+    original exception (chained as ``__cause__``); in-flight calls are cancelled.
+  * ``"zero"``: the sample (every sample of a failed group call) gets 0.0, its
+    ``metadata["reward_error"]`` is set to ``"ExcType: message"``, and it is
+    counted in ``RewardResult.num_errors`` / ``error_indices`` and in the runner's
+    cumulative ``stats()``. A warning is logged for each failure. Never silent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+from relax.rollout.rewards.custom import CustomReward, load_custom_reward
+from relax.rollout.rewards.registry import get_reward_fn, resolve_rm_type
+
+__all__ = ["RewardRunner", "RewardResult", "RewardError", "score_samples", "ascore_samples", "reward_to_float"]
+
+logger = logging.getLogger(__name__)
+
+ON_ERROR_POLICIES = ("fail", "zero")
+
+
+class RewardError(RuntimeError):
+    """A reward could not be computed (raised under ``on_error="fail"``)."""
+
+
+@dataclass
+class RewardResult:
+    """Rewards aligned with the flattened input samples."""
+
+    rewards: list[float]
+    raw: list[Any]  # what the reward function returned (dict rewards kept), None for failures
+    num_errors: int = 0
+    error_indices: list[int] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+
+
+def _field(sample: Any, name: str, default: Any = None) -> Any:
+    if isinstance(sample, Mapping):
+        return sample.get(name, default)
+    return getattr(sample, name, default)
+
+
+def _response(sample: Any) -> str:
+    response = _field(sample, "response")
+    if response is None:
+        response = _field(sample, "response_text", "")
+    return "" if response is None else str(response)
+
+
+def _assign(sample: Any, reward: float, raw: Any) -> None:
+    if isinstance(sample, Mapping):
+        sample["reward"] = reward  # type: ignore[index]
+        sample["raw_reward"] = raw  # type: ignore[index]
+    else:
+        sample.reward = reward
+        sample.raw_reward = raw
+
+
+def _metadata(sample: Any) -> dict:
+    md = _field(sample, "metadata")
+    return md if isinstance(md, dict) else {}
+
+
+def _mark_error(sample: Any, message: str) -> None:
+    md = _field(sample, "metadata")
+    if isinstance(md, dict):
+        md["reward_error"] = message
+        return
+    md = {"reward_error": message}
+    try:
+        if isinstance(sample, Mapping):
+            sample["metadata"] = md  # type: ignore[index]
+        else:
+            setattr(sample, "metadata", md)
+    except Exception:  # frozen object: the error is still counted and returned
+        pass
+
+
+def reward_to_float(value: Any, reward_key: Optional[str] = None) -> float:
+    """A finite float from a reward function's result (see module doc)."""
+    if isinstance(value, Mapping):
+        if reward_key is not None:
+            if reward_key not in value:
+                raise KeyError(f"reward dict has no key {reward_key!r} (keys: {sorted(value)})")
+            value = value[reward_key]
+        elif "reward" in value:
+            value = value["reward"]
+        elif "score" in value:
+            value = value["score"]
+        else:
+            raise KeyError(f"reward dict needs reward_key (keys: {sorted(value)})")
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"reward must be a number, got {type(value).__name__}: {value!r}") from None
+    if not math.isfinite(out):
+        raise ValueError(f"reward is not finite: {out}")
+    return out
+
+
+class RewardRunner:
+    """Scores samples concurrently; see the module docstring for the contract.
+
+    Use as a context manager (or call ``close()``) to shut the thread pool down.
+    """
+
+    def __init__(
+        self,
+        rm_type: Optional[str] = None,
+        *,
+        custom_rm_path: Optional[str] = None,
+        custom_fn: Optional[Callable[..., Any]] = None,
+        group_rm: bool = False,
+        reward_key: Optional[str] = None,
+        on_error: str = "fail",
+        args: Any = None,
+        max_workers: int = 8,
+        max_concurrency: int = 256,
+        rm_options: Optional[dict] = None,
+    ) -> None:
+        if on_error not in ON_ERROR_POLICIES:
+            raise ValueError(f"on_error must be one of {ON_ERROR_POLICIES}, got {on_error!r}")
+        if custom_rm_path and custom_fn is not None:
+            raise ValueError("pass custom_rm_path or custom_fn, not both")
+        self.custom: Optional[CustomReward] = None
+        if custom_rm_path:
+            self.custom = load_custom_reward(custom_rm_path)
+        elif custom_fn is not None:
+            self.custom = custom_fn if isinstance(custom_fn, CustomReward) else CustomReward(custom_fn)
+        if group_rm and self.custom is None:
+            logger.info("group_rm without a custom reward function: built-ins are still scored per sample")
+        self.rm_type = rm_type
+        self.group_rm = bool(group_rm)
+        self.reward_key = reward_key
+        self.on_error = on_error
+        self.args = args
+        self.max_concurrency = int(max_concurrency)
+        self.rm_options = dict(rm_options or {})
+        self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="relax-reward")
+        self._fns: dict[str, Any] = {}
+        self._totals = {"num_samples": 0, "num_errors": 0, "num_calls": 0, "num_batches": 0}
+        if self.custom is None and rm_type:
+            self._fn(rm_type)  # fail fast on an unknown type
+
+    @classmethod
+    def from_args(cls, args: Any, **overrides: Any) -> "RewardRunner":
+        """Build from an argparse-like namespace: ``rm_type``, ``custom_rm_path``, ``group_rm``,
+        ``reward_key``, ``reward_error_policy``, ``rm_url`` (and, when present, ``rm_timeout``,
+        ``rm_max_retries``)."""
+        rm_options = {
+            k: v
+            for k, v in {
+                "rm_url": getattr(args, "rm_url", None),
+                "timeout": getattr(args, "rm_timeout", None),
+                "max_retries": getattr(args, "rm_max_retries", None),
+            }.items()
+            if v is not None
+        }
+        kw = dict(
+            rm_type=getattr(args, "rm_type", None),
+            custom_rm_path=getattr(args, "custom_rm_path", None),
+            group_rm=bool(getattr(args, "group_rm", False)),
+            reward_key=getattr(args, "reward_key", None),
+            on_error=getattr(args, "reward_error_policy", None) or "fail",
+            args=args,
+            rm_options=rm_options,
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> "RewardRunner":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def stats(self) -> dict:
+        """Cumulative counts over all batches scored by this runner."""
+        return dict(self._totals)
+
+    # ------------------------------------------------------------------ calling
+    def _fn(self, rm_type: str) -> Any:
+        fn = self._fns.get(rm_type)
+        if fn is None:
+            fn = get_reward_fn(rm_type, **self.rm_options)
+            self._fns[rm_type] = fn
+        return fn
+
+    async def _call_builtin(self, fn: Any, response: str, label: Any, metadata: dict) -> Any:
+        acall = getattr(fn, "acall", None)
+        if acall is not None and asyncio.iscoroutinefunction(acall):
+            return await acall(response, label, metadata)
+        if asyncio.iscoroutinefunction(fn):
+            return await fn(response, label, metadata)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, fn, response, label, metadata)
+
+    def _failure(
+        self, where: str, rm_name: str, exc: BaseException, samples: Sequence[Any]
+    ) -> str:
+        message = f"{type(exc).__name__}: {exc}"
+        if self.on_error == "fail":
+            raise RewardError(f"reward failed for {where} (reward {rm_name}): {message}") from exc
+        logger.warning("reward failed for %s (reward %s), scoring 0.0: %s", where, rm_name, message)
+        for s in samples:
+            _mark_error(s, message)
+        return message
+
+    async def _score_one(self, idx: int, sample: Any, sem: asyncio.Semaphore) -> tuple[list[float], list[Any], list[int]]:
+        rm_name = "?"
+        try:
+            async with sem:
+                if self.custom is not None:
+                    rm_name = f"custom {self.custom.path}"
+                    raw = await self.custom.acall(self.args, sample, executor=self._executor)
+                else:
+                    metadata = _metadata(sample)
+                    rm_name = resolve_rm_type(self.rm_type, metadata)
+                    fn = self._fn(rm_name)
+                    raw = await self._call_builtin(fn, _response(sample), _field(sample, "label"), metadata)
+            return [reward_to_float(raw, self.reward_key)], [raw], []
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._failure(f"sample {idx}", rm_name, e, [sample])
+            return [0.0], [None], [idx]
+
+    async def _score_group(
+        self, g: int, start: int, group: list[Any], sem: asyncio.Semaphore
+    ) -> tuple[list[float], list[Any], list[int]]:
+        assert self.custom is not None
+        rm_name = f"custom {self.custom.path} (group)"
+        try:
+            async with sem:
+                raw = await self.custom.acall(self.args, list(group), executor=self._executor)
+            if isinstance(raw, (str, bytes, Mapping)) or not isinstance(raw, Sequence):
+                raise TypeError(f"group reward must return a list of {len(group)} rewards, got {type(raw).__name__}")
+            raw = list(raw)
+            if len(raw) != len(group):
+                raise ValueError(f"group reward returned {len(raw)} rewards for a group of {len(group)}")
+            return [reward_to_float(r, self.reward_key) for r in raw], raw, []
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            where = f"group {g} (samples {start}..{start + len(group) - 1})"
+            self._failure(where, rm_name, e, group)
+            return [0.0] * len(group), [None] * len(group), list(range(start, start + len(group)))
+
+    @staticmethod
+    def _groups(samples: Sequence[Any], group_size: Optional[int]) -> list[list[Any]]:
+        if samples and all(isinstance(s, (list, tuple)) for s in samples):
+            return [list(s) for s in samples]
+        if group_size is None:
+            return [[s] for s in samples]
+        if group_size <= 0 or len(samples) % group_size:
+            raise ValueError(f"{len(samples)} samples do not split into groups of {group_size}")
+        return [list(samples[i : i + group_size]) for i in range(0, len(samples), group_size)]
+
+    async def ascore(
+        self, samples: Sequence[Any], *, group_size: Optional[int] = None, assign: bool = False
+    ) -> RewardResult:
+        """Score ``samples`` (flat, or a list of groups; or flat with ``group_size``).
+
+        Returns rewards aligned with the flattened samples. With ``assign=True`` each
+        sample's ``reward`` / ``raw_reward`` are set too (0.0 / None for failures).
+        """
+        t0 = time.perf_counter()
+        groups = self._groups(samples, group_size)
+        sem = asyncio.Semaphore(self.max_concurrency)
+        coros = []
+        start = 0
+        if self.group_rm and self.custom is not None:
+            for g, group in enumerate(groups):
+                coros.append(self._score_group(g, start, group, sem))
+                start += len(group)
+        else:
+            for group in groups:
+                for s in group:
+                    coros.append(self._score_one(start, s, sem))
+                    start += 1
+        tasks = [asyncio.ensure_future(c) for c in coros]
+        try:
+            parts = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        rewards: list[float] = []
+        raw: list[Any] = []
+        errors: list[int] = []
+        for r, w, e in parts:
+            rewards.extend(r)
+            raw.extend(w)
+            errors.extend(e)
+        if assign:
+            flat = [s for group in groups for s in group]
+            for s, r, w in zip(flat, rewards, raw):
+                _assign(s, r, w)
+        stats = {
+            "num_samples": len(rewards),
+            "num_groups": len(groups),
+            "num_calls": len(coros),
+            "num_errors": len(errors),
+            "error_indices": list(errors),
+            "elapsed_s": time.perf_counter() - t0,
+        }
+        self._totals["num_samples"] += len(rewards)
+        self._totals["num_errors"] += len(errors)
+        self._totals["num_calls"] += len(coros)
+        self._totals["num_batches"] += 1
+        return RewardResult(rewards=rewards, raw=raw, num_errors=len(errors), error_indices=errors, stats=stats)
+
+    def score(
+        self, samples: Sequence[Any], *, group_size: Optional[int] = None, assign: bool = False
+    ) -> RewardResult:
+        """Blocking ``ascore`` (not from inside a running event loop: use ``await ascore``)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.ascore(samples, group_size=group_size, assign=assign))
+        raise RuntimeError("RewardRunner.score() called inside a running event loop; use 'await runner.ascore(...)'")
+
+
+async def ascore_samples(
+    samples: Sequence[Any],
+    rm_type: Optional[str] = None,
+    *,
+    group_size: Optional[int] = None,
+    assign: bool = False,
+    **kwargs: Any,
+) -> RewardResult:
+    """One-shot ``RewardRunner(rm_type, **kwargs).ascore(samples)``."""
+    runner = RewardRunner(rm_type, **kwargs)
+    try:
+        return await runner.ascore(samples, group_size=group_size, assign=assign)
+    finally:
+        runner.close()
+
+
+def score_samples(
+    samples: Sequence[Any],
+    rm_type: Optional[str] = None,
+    *,
+    group_size: Optional[int] = None,
+    assign: bool = False,
+    **kwargs: Any,
+) -> RewardResult:
+    """One-shot blocking ``RewardRunner(rm_type, **kwargs).score(samples)``."""
+    with RewardRunner(rm_type, **kwargs) as runner:
+        return runner.score(samples, group_size=group_size, assign=assign)
