@@ -13,7 +13,44 @@ from relax.config.config import Config
 # Run control and configuration layer.
 _CONFIG_LAYER = {"custom_config_path", "dry_run", "output_dir"}
 
-IMPLEMENTED: frozenset[str] = frozenset(_CONFIG_LAYER)
+# The synchronous end-to-end loop (controller, trainer group, rollout manager, data plane).
+_E2E_LOOP = {
+    # cluster, data plane, placement
+    "resource", "num_data_storage_units", "polling_mode", "rollout_num_gpus_per_engine", "rollout_backend",
+    "rollout_external", "rollout_external_engine_addrs", "sglang_router_policy", "sglang_router_port",
+    "train_env_vars", "distributed_backend", "distributed_timeout_minutes",
+    # data and prompts
+    "hf_checkpoint", "prompt_data", "input_key", "label_key", "metadata_key", "tool_key", "apply_chat_template",
+    "apply_chat_template_kwargs", "system_prompt", "rollout_shuffle", "rollout_seed", "rollout_max_prompt_len",
+    "use_streaming_dataset", "streaming_buffer_size", "num_rollout", "num_epoch",
+    # sampling
+    "rollout_batch_size", "n_samples_per_prompt", "rollout_temperature", "rollout_top_p", "rollout_top_k",
+    "rollout_max_response_len", "rollout_max_context_len", "rollout_stop", "rollout_stop_token_ids",
+    "rollout_skip_special_tokens",
+    # rewards
+    "rm_type", "custom_rm_path", "reward_key", "group_rm", "rm_url", "reward_error_policy",
+    # algorithm
+    "advantage_estimator", "normalize_advantages", "disable_grpo_std_normalization",
+    "disable_rewards_normalization", "eps_clip", "eps_clip_high", "eps_clip_c", "entropy_coef", "sapo_tau_pos",
+    "sapo_tau_neg", "use_rollout_logprobs", "loss_type",
+    # trainer (Megatron)
+    "global_batch_size", "micro_batch_size", "num_steps_per_rollout", "calculate_per_token_loss",
+    "log_probs_chunk_size", "tensor_model_parallel_size", "pipeline_model_parallel_size", "seed", "lr", "min_lr",
+    "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
+    "clip_grad", "bf16", "fp16", "use_distributed_optimizer",
+    # weights, checkpoints, metrics
+    "update_weight_buffer_size", "update_weights_interval", "save", "save_interval", "load", "start_rollout_id",
+    "use_tensorboard", "tb_project_name", "tb_experiment_name",
+}
+
+IMPLEMENTED: frozenset[str] = frozenset(_CONFIG_LAYER | _E2E_LOOP)
+
+# Flags whose feature is built for some values only: dest -> supported values.
+SUPPORTED_VALUES: dict[str, frozenset] = {
+    "advantage_estimator": frozenset({"grpo", "gspo", "sapo", "cispo", "rloo"}),
+    "loss_type": frozenset({"policy_loss"}),
+    "rollout_backend": frozenset({"auto", "embedded"}),
+}
 
 
 def unsupported_flags(config: Config, implemented: frozenset[str] = IMPLEMENTED) -> list[str]:
@@ -22,11 +59,12 @@ def unsupported_flags(config: Config, implemented: frozenset[str] = IMPLEMENTED)
     names = config.meta.get("flag_names", {})
     out = []
     for dest in sorted(config.explicit):
-        if dest in implemented:
+        if dest in implemented and (dest not in SUPPORTED_VALUES or config[dest] in SUPPORTED_VALUES[dest]):
             continue
         if dest in defaults and config[dest] == defaults[dest]:
             continue
-        out.append(names.get(dest, "--" + dest.replace("_", "-")))
+        name = names.get(dest, "--" + dest.replace("_", "-"))
+        out.append(f"{name} {config[dest]}" if dest in SUPPORTED_VALUES else name)
     return out
 
 

@@ -266,7 +266,7 @@ DERIVED = frozenset({
     "debug_train_only", "use_routing_replay", "over_sampling_batch_size", "log_probs_max_tokens_per_gpu",
     "eval_input_key", "eval_label_key", "eval_tool_key", "eval_reward_key", "eval_temperature", "eval_top_p",
     "eval_top_k", "eval_max_response_len", "eval_max_prompt_len", "eval_max_context_len", "resource", "save",
-    "num_rollout", "global_batch_size",
+    "num_rollout", "global_batch_size", "lr_decay_iters",
 })
 
 RULES = (check_ranges, check_sampling, check_algorithm, check_batching, check_checkpointing, check_modes,
@@ -334,6 +334,9 @@ def derive(v: dict, explicit) -> None:
         v["global_batch_size"] = gbs
     elif v["global_batch_size"] is None and samples:
         v["global_batch_size"] = samples
+    if v.get("lr_decay_iters") is None and v["num_rollout"] and v["global_batch_size"] and samples:
+        # Megatron decays over the whole run by default: optimizer steps per rollout x rollouts.
+        v["lr_decay_iters"] = v["num_rollout"] * max(1, samples // v["global_batch_size"])
 
 
 def check_batch_arithmetic(v: dict, explicit) -> None:

@@ -1,0 +1,226 @@
+"""The controller: builds the roles as Ray actors and runs the synchronous RL loop.
+
+One step: rollout (engines behind the router) -> samples into the step's TransferQueue partition ->
+trainer group reads them, computes advantages and updates -> partition cleared -> weights pushed to
+every engine (versioned, verified) -> metrics -> checkpoint every --save-interval.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from relax.config.config import Config
+
+logger = logging.getLogger("relax")
+
+
+class Controller:
+    def __init__(self, config: Config):
+        self.config = config
+        self.started_ray = False
+        self.data = None
+        self.workers: list[Any] = []
+        self.rollout = None
+        self.placement_groups: list[Any] = []
+        self.metrics = None
+        self.engine_urls: list[str] = []
+        self.start_step = 0
+
+    # ------------------------------------------------------------------ start-up
+    def start(self) -> None:
+        from relax.config.env import worker_env
+        from relax.core.placement import cluster_has_gpus, create_placement_group, role_bundles
+        from relax.data.plane import DataPlane
+        from relax.observability.metrics import MetricsWriter
+        from relax.roles.rollout import RolloutManager
+        from relax.roles.trainer import TrainerWorker
+
+        c = self.config
+        actor_world = c.resource["actor"][0] * c.resource["actor"][1]
+        if not ray.is_initialized():
+            address = os.environ.get("RAY_ADDRESS")
+            env = worker_env()
+            if address:
+                ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
+            else:
+                ray.init(num_cpus=max(16, 4 * actor_world + 8), include_dashboard=False,
+                         runtime_env={"env_vars": env}, log_to_driver=True)
+            self.started_ray = True
+        use_gpu = cluster_has_gpus()
+        capacity = c.rollout_batch_size * (c.max_staleness + 1) * c.n_samples_per_prompt
+        self.data = DataPlane.start(c.num_data_storage_units, capacity_samples=capacity,
+                                    polling_mode=c.polling_mode)
+        pg_actor = create_placement_group(role_bundles(c, "actor", use_gpu), "relax-actor")
+        pg_rollout = create_placement_group(role_bundles(c, "rollout", use_gpu), "relax-rollout")
+        self.placement_groups = [pg for pg in (pg_actor, pg_rollout) if pg is not None]
+
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        threads = max(1, (os.cpu_count() or 2) // max(1, actor_world))
+        train_env = {"env_vars": worker_env(c.train_env_vars, training_role=True)}
+        self.workers = [
+            TrainerWorker.options(num_cpus=1, num_gpus=1 if use_gpu else 0, runtime_env=train_env,
+                                  scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                      placement_group=pg_actor, placement_group_bundle_index=rank)
+                                  ).remote(c, rank, actor_world, threads)
+            for rank in range(actor_world)
+        ]
+        master_addr, master_port = ray.get(self.workers[0].master_address.remote())
+        backend = c.distributed_backend if use_gpu else "gloo"
+        infos = ray.get([w.setup.remote(master_addr, master_port, backend) for w in self.workers])
+        logger.info("trainer: %d rank(s), data-parallel %d, %d parameters", actor_world, infos[0]["dp"],
+                    infos[0]["params"])
+        self.rollout = RolloutManager.options(num_cpus=1).remote(c)
+        self.engine_urls = ray.get(self.rollout.start_engines.remote(pg_rollout))
+        logger.info("rollout: %d engine(s) behind %s", len(self.engine_urls), ray.get(self.rollout.router_url.remote()))
+        self.metrics = MetricsWriter.from_config(c)
+        if c.load:
+            self._resume(c.load)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> None:
+        c = self.config
+        for step in range(self.start_step, c.num_rollout):
+            t0 = time.perf_counter()
+            metrics = ray.get(self.rollout.generate.remote(step))
+            t1 = time.perf_counter()
+            outputs = ray.get([w.train.remote(step) for w in self.workers])
+            t2 = time.perf_counter()
+            self.data.clear(step)
+            metrics.update(outputs[0])
+            sync_time = 0.0
+            if (step + 1) % c.update_weights_interval == 0:
+                reports = ray.get([w.push_weights.remote(self.engine_urls, step + 1, c.update_weight_buffer_size)
+                                   for w in self.workers])
+                sync = reports[0]
+                sync_time = time.perf_counter() - t2
+                metrics.update({"perf/weight_sync_bytes": float(sync["bytes"]),
+                                "perf/weight_sync_bytes_per_s": sync["bytes_per_s"],
+                                "weights/version": float(step + 1)})
+            t3 = time.perf_counter()
+            if c.save and ((c.save_interval and (step + 1) % c.save_interval == 0) or step + 1 == c.num_rollout):
+                self.save(step + 1)
+            step_time = time.perf_counter() - t0
+            metrics.update({
+                "perf/rollout_time": t1 - t0, "perf/train_time": t2 - t1, "perf/weight_sync_time": sync_time,
+                "perf/save_time": time.perf_counter() - t3, "perf/step_time": step_time,
+                "perf/tokens_per_s": metrics.get("train/tokens", 0.0) / step_time,
+                "perf/samples_per_s": metrics["rollout/num_samples"] / step_time,
+            })
+            self.metrics.log(step, metrics)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, rollout_id: int) -> Path:
+        """model + optimizer + scheduler + RNG (trainer) and data position (rollout), then the marker."""
+        root = Path(self.config.save)
+        path = root / f"iter_{rollout_id:07d}"
+        ray.get([w.save.remote(str(path / "actor")) for w in self.workers])
+        state = ray.get(self.rollout.state_dict.remote())
+        tmp = path / "relax_state.json.tmp"
+        tmp.write_text(json.dumps({"rollout_id": rollout_id, "rollout": state}))
+        tmp.replace(path / "relax_state.json")
+        marker = root / "latest_checkpointed_iteration.txt"
+        (root / "latest.tmp").write_text(str(rollout_id))
+        (root / "latest.tmp").replace(marker)
+        return path
+
+    def _resume(self, load: str) -> None:
+        root = Path(load)
+        marker = root / "latest_checkpointed_iteration.txt"
+        if not marker.is_file():
+            logger.info("--load %s holds no checkpoint yet; starting from step 0", load)
+            return
+        rollout_id = int(marker.read_text().strip())
+        path = root / f"iter_{rollout_id:07d}"
+        ray.get([w.load.remote(str(path / "actor")) for w in self.workers])
+        state = json.loads((path / "relax_state.json").read_text())
+        ray.get(self.rollout.load_state_dict.remote(state["rollout"]))
+        self.start_step = rollout_id if self.config.start_rollout_id is None else self.config.start_rollout_id
+        ray.get([w.push_weights.remote(self.engine_urls, rollout_id, self.config.update_weight_buffer_size)
+                 for w in self.workers])
+        logger.info("resumed from %s at rollout step %d", path, self.start_step)
+
+    # ------------------------------------------------------------------ shutdown
+    def shutdown(self) -> None:
+        if self.rollout is not None:
+            try:
+                ray.get(self.rollout.shutdown.remote(), timeout=60)
+            except Exception as exc:
+                logger.warning("rollout shutdown: %s", exc)
+        for w in self.workers:
+            try:
+                ray.get(w.shutdown.remote(), timeout=30)
+            except Exception:
+                pass
+        for actor in self.workers + ([self.rollout] if self.rollout is not None else []):
+            try:
+                ray.kill(actor)
+            except Exception:
+                pass
+        if self.data is not None:
+            try:
+                self.data.shutdown()
+            except Exception as exc:
+                logger.warning("data plane shutdown: %s", exc)
+        from ray.util.placement_group import remove_placement_group
+
+        for pg in self.placement_groups:
+            try:
+                remove_placement_group(pg)
+            except Exception:
+                pass
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.started_ray and ray.is_initialized():
+            ray.shutdown()
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run_controller(config: Config) -> int:
+    from relax.config.explain import write_resolved_config
+
+    out = Path(config.output_dir)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        handlers=[logging.StreamHandler(), logging.FileHandler(out / "logs" / "relax.log")])
+    write_resolved_config(config)
+    if config.meta.get("embedded_default"):
+        from relax.models.embedded import build_embedded_assets
+
+        info = build_embedded_assets(config.hf_checkpoint, config.prompt_data, seed=config.seed % 1000)
+        logger.info("embedded default assets: %s", info)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    controller = Controller(config)
+    try:
+        controller.start()
+        controller.run()
+        logger.info("finished %d rollout steps; output in %s", config.num_rollout, out)
+        return 0
+    except KeyboardInterrupt as exc:
+        logger.error("interrupted (%s); shutting down", exc or "SIGINT")
+        return 130
+    except Exception as exc:
+        logger.error("run failed: %s: %s", type(exc).__name__, _first_line(exc))
+        logger.debug("traceback", exc_info=True)
+        return 1
+    finally:
+        controller.shutdown()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+        text = f"{type(cause).__name__}: {cause}"
+    return text.strip().splitlines()[-1] if text.strip() else repr(exc)

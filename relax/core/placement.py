@@ -1,0 +1,35 @@
+"""Placement groups from `--resource` and the parallel sizes: GPU bundles on GPU clusters, CPU bundles
+otherwise. Each trainer rank and each engine gets one bundle."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group
+
+
+def cluster_has_gpus() -> bool:
+    return ray.cluster_resources().get("GPU", 0) > 0
+
+
+def role_bundles(config: Any, role: str, use_gpu: bool) -> list[dict[str, float]]:
+    replicas, devices = config.resource.get(role, [0, 0])
+    count = replicas * devices
+    if role == "rollout":
+        per_engine = config.rollout_num_gpus_per_engine
+        engines = max(1, count // per_engine) if not config.rollout_external else 0
+        return [{"GPU": float(per_engine), "CPU": 1.0} if use_gpu else {"CPU": 1.0} for _ in range(engines)]
+    return [{"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0} for _ in range(count)]
+
+
+def create_placement_group(bundles: list[dict[str, float]], name: str, timeout_s: float = 120.0):
+    if not bundles:
+        return None
+    pg = placement_group(bundles, strategy="PACK", name=name)
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except Exception:
+        raise RuntimeError(f"placement group {name!r} ({len(bundles)} bundles of {bundles[0]}) could not be "
+                           f"reserved within {timeout_s:.0f}s; cluster has {ray.cluster_resources()}") from None
+    return pg

@@ -1,0 +1,61 @@
+"""Rollout engine role: one Ray actor per engine, owning the server process behind SGLang's HTTP API."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+
+
+def resolve_backend(requested: str) -> str:
+    """`auto` picks real SGLang when a GPU and SGLang are present, else the embedded engine."""
+    if requested != "auto":
+        return requested
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except Exception:
+        has_gpu = False
+    from relax.config.sglang import sglang_available
+
+    return "sglang" if has_gpu and sglang_available() else "embedded"
+
+
+@ray.remote
+class EngineActor:
+    """Starts an engine server in a child process and reports its URL; stops it on `shutdown`."""
+
+    def __init__(self, backend: str, model_path: str, server_args: dict[str, Any], tp_size: int = 1,
+                 log_dir: str | None = None, engine_id: int = 0):
+        self.backend = backend
+        self.model_path = model_path
+        self.server_args = dict(server_args)
+        self.tp_size = tp_size
+        self.log_path = os.path.join(log_dir, f"engine-{engine_id}.log") if log_dir else None
+        self.process = None
+
+    def start(self, timeout_s: float = 300.0) -> str:
+        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        if self.backend == "embedded":
+            from relax.backends.embedded.launcher import EmbeddedServerProcess
+
+            self.process = EmbeddedServerProcess(self.model_path, host="127.0.0.1" if host.startswith("127.") else host,
+                                                 server_args=self.server_args, log_path=self.log_path)
+        else:
+            from relax.backends.sglang.server import SGLangServerProcess
+
+            self.process = SGLangServerProcess(self.model_path, host=host, tp_size=self.tp_size,
+                                               server_args=self.server_args, log_path=self.log_path)
+        self.process.start()
+        self.process.wait_healthy(timeout_s)
+        return self.process.url
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.is_alive()
+
+    def shutdown(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+            self.process = None
