@@ -1,0 +1,137 @@
+"""Turn RL samples into padded micro-batches (pure PyTorch, no Megatron).
+
+A sample is a dict with
+  - `tokens`: 1-D LongTensor, prompt followed by response,
+  - `response_length`: int, the number of response tokens at the end of `tokens`,
+  - per-response-token tensors (1-D, length `response_length`), e.g.
+    `advantages`, `old_logprobs`, `loss_mask`,
+  - optionally per-sample scalars (Python numbers or 0-d tensors).
+
+Response token j of a sample (0-based) sits at `tokens[P + j]` (P = prompt
+length) and is predicted by the logits at position `P + j - 1`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["MicroBatch", "make_micro_batches", "RESERVED_KEYS"]
+
+RESERVED_KEYS = frozenset({"tokens", "response_length"})
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded inputs and response-aligned per-token fields.
+
+    tokens, position_ids: [B, S]; logit_index, targets, mask: [B, R] where R is
+    the longest response; fields: name -> [B, R] (per-token) or [B] (scalar).
+    """
+
+    tokens: torch.Tensor
+    position_ids: torch.Tensor
+    logit_index: torch.Tensor
+    targets: torch.Tensor
+    mask: torch.Tensor
+    response_lengths: list[int]
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def seq_length(self) -> int:
+        return self.tokens.shape[1]
+
+    def to(self, device: torch.device) -> "MicroBatch":
+        return MicroBatch(
+            tokens=self.tokens.to(device),
+            position_ids=self.position_ids.to(device),
+            logit_index=self.logit_index.to(device),
+            targets=self.targets.to(device),
+            mask=self.mask.to(device),
+            response_lengths=self.response_lengths,
+            fields={k: v.to(device) for k, v in self.fields.items()},
+        )
+
+
+def _check_sample(i: int, sample: dict[str, Any]) -> tuple[torch.Tensor, int]:
+    tokens = sample["tokens"]
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
+        raise ValueError(f"sample {i}: tokens must be a 1-D tensor")
+    resp = int(sample["response_length"])
+    if not 1 <= resp < tokens.numel():
+        raise ValueError(
+            f"sample {i}: response_length {resp} needs 1 <= it < len(tokens)={tokens.numel()}"
+        )
+    return tokens.long(), resp
+
+
+def _collate(samples: Sequence[dict[str, Any]], pad_id: int, seq_multiple: int) -> MicroBatch:
+    checked = [_check_sample(i, s) for i, s in enumerate(samples)]
+    longest = max(t.numel() for t, _ in checked)
+    seq = math.ceil(longest / seq_multiple) * seq_multiple
+    resp_max = max(r for _, r in checked)
+    batch = len(samples)
+    tokens = torch.full((batch, seq), pad_id, dtype=torch.long)
+    logit_index = torch.zeros((batch, resp_max), dtype=torch.long)
+    mask = torch.zeros((batch, resp_max), dtype=torch.float32)
+    for b, (tok, resp) in enumerate(checked):
+        n = tok.numel()
+        tokens[b, :n] = tok
+        logit_index[b, :resp] = torch.arange(n - resp - 1, n - 1)
+        mask[b, :resp] = 1.0
+    targets = tokens.gather(1, logit_index + 1)
+    fields: dict[str, torch.Tensor] = {}
+    keys = [k for k in samples[0] if k not in RESERVED_KEYS]
+    for key in keys:
+        values = [s[key] for s in samples]
+        first = values[0]
+        if isinstance(first, torch.Tensor) and first.dim() == 1:
+            out = torch.zeros((batch, resp_max), dtype=first.dtype if first.is_floating_point() else torch.float32)
+            for b, (value, (_, resp)) in enumerate(zip(values, checked)):
+                if value.numel() != resp:
+                    raise ValueError(f"sample field {key!r} has {value.numel()} entries, response has {resp}")
+                out[b, :resp] = value.to(out.dtype)
+            fields[key] = out
+        elif isinstance(first, (int, float, bool)) or (isinstance(first, torch.Tensor) and first.dim() == 0):
+            fields[key] = torch.tensor([float(v) for v in values], dtype=torch.float32)
+        # other values (strings, nested objects) are not model inputs: skipped
+    if "loss_mask" in fields:
+        mask = mask * (fields["loss_mask"] > 0).to(mask.dtype)
+    positions = torch.arange(seq, dtype=torch.long).unsqueeze(0).expand(batch, -1).contiguous()
+    return MicroBatch(
+        tokens=tokens,
+        position_ids=positions,
+        logit_index=logit_index,
+        targets=targets,
+        mask=mask,
+        response_lengths=[r for _, r in checked],
+        fields=fields,
+    )
+
+
+def make_micro_batches(
+    samples: Sequence[dict[str, Any]],
+    micro_batch_size: int,
+    *,
+    pad_id: int = 0,
+    seq_multiple: int = 1,
+) -> list[MicroBatch]:
+    """Split `samples` in order into micro-batches of at most `micro_batch_size`.
+
+    Each micro-batch is right-padded to its longest sample, rounded up to a
+    multiple of `seq_multiple`. `mask` is 1 on real response tokens (and, when
+    the samples carry `loss_mask`, only where it is > 0).
+    """
+    if micro_batch_size < 1:
+        raise ValueError("micro_batch_size must be >= 1")
+    return [
+        _collate(samples[i : i + micro_batch_size], pad_id, seq_multiple)
+        for i in range(0, len(samples), micro_batch_size)
+    ]

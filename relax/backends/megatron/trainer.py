@@ -1,0 +1,389 @@
+"""`MegatronTrainer`: the training engine a trainer role wraps.
+
+One instance per rank. All ranks of the job construct it with the same
+arguments and call the same methods in the same order (the methods are
+collective). Ranks that share a data-parallel index (the TP/PP/CP peers of a
+model replica) must be given the same samples; each data-parallel rank gets its
+own samples.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Iterator, Optional, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+from relax.backends.megatron.arch import ModelArch, to_transformer_config
+from relax.backends.megatron.batching import MicroBatch, make_micro_batches
+from relax.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
+from relax.backends.megatron.cpu_compat import apply_cpu_compat, compute_device
+from relax.backends.megatron.hf_weights import (
+    export_hf_weights,
+    load_hf_checkpoint_dir,
+    load_hf_weights,
+    unwrap_model,
+)
+from relax.backends.megatron.logprobs import token_logprobs
+from relax.backends.megatron.model import build_gpt_model
+from relax.backends.megatron.optim import build_optimizer, build_scheduler, wrap_ddp
+from relax.backends.megatron.parallel import ParallelLayout, init_distributed, init_model_parallel
+
+__all__ = ["TrainerSettings", "LossFn", "MegatronTrainer"]
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """Parallel layout, optimizer, schedule and precision of a `MegatronTrainer`."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: Optional[int] = None
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_decay_style: str = "constant"  # constant | linear | cosine | inverse-square-root | WSD
+    lr_warmup_iters: int = 0
+    lr_decay_iters: Optional[int] = None
+    lr_warmup_init: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    seed: int = 1234
+    bf16: bool = False
+    fp16: bool = False
+    use_distributed_optimizer: bool = False
+    micro_batch_size: int = 1
+    logprob_chunk_size: Optional[int] = None
+    sequence_parallel: bool = False
+    recompute_activations: bool = False
+    use_te: Optional[bool] = None
+    pad_token_id: int = 0
+
+
+class LossFn(Protocol):
+    """The RL loss of one micro-batch.
+
+    Args:
+        logprobs: [B, T] float32 log-probs of the response tokens under the
+            current policy (tempered); 0 at padding.
+        entropy: [B, T] float32 entropy of the tempered distribution, or None
+            unless the trainer was asked for it (`needs_entropy`).
+        batch: the samples' extra fields, padded: per-token ones [B, T]
+            (e.g. `advantages`, `old_logprobs`, `loss_mask`), per-sample scalars [B].
+        mask: [B, T] float, 1 on real response tokens (and where `loss_mask` > 0).
+
+    Returns:
+        (scalar loss to minimise, metrics: name -> scalar tensor or float).
+
+    The optimised objective is the mean of the returned loss over all
+    micro-batches of all data-parallel ranks. A loss function may set the
+    attribute `needs_entropy = True` to receive entropy.
+    """
+
+    def __call__(
+        self,
+        logprobs: torch.Tensor,
+        entropy: Optional[torch.Tensor],
+        batch: dict[str, torch.Tensor],
+        mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, Any]]: ...
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class MegatronTrainer:
+    """A Megatron-core GPT model with its optimizer, on this rank.
+
+    If torch.distributed is not initialised, a single-process gloo/nccl group
+    is created (convenient for one-rank use and tests).
+    """
+
+    def __init__(self, arch: ModelArch, settings: TrainerSettings):
+        apply_cpu_compat()
+        if settings.cp != 1:
+            raise NotImplementedError("context parallelism is not supported by MegatronTrainer yet")
+        if not dist.is_initialized():
+            init_distributed(0, 1, "127.0.0.1", _free_port())
+        self.settings = settings
+        self.layout: ParallelLayout = init_model_parallel(
+            settings.tp, settings.pp, settings.cp, settings.ep, settings.etp, seed=settings.seed
+        )
+        if arch.vocab_size % settings.tp:
+            arch = arch.with_vocab_multiple(settings.tp)
+        self.arch = arch
+        self.config = to_transformer_config(
+            arch,
+            tp=settings.tp,
+            pp=settings.pp,
+            cp=settings.cp,
+            ep=settings.ep,
+            etp=settings.etp,
+            bf16=settings.bf16,
+            fp16=settings.fp16,
+            sequence_parallel=settings.sequence_parallel,
+            recompute_granularity="full" if settings.recompute_activations else None,
+        )
+        gpt = build_gpt_model(arch, self.config, settings.use_te)
+        if settings.bf16 or settings.fp16:
+            from megatron.core.transformer.module import Float16Module
+
+            gpt = Float16Module(self.config, gpt)  # norms too; logits come out in fp32
+        self.model = wrap_ddp(
+            gpt, self.config, use_distributed_optimizer=settings.use_distributed_optimizer
+        )
+        self.optimizer = build_optimizer(
+            self.model,
+            self.config,
+            lr=settings.lr,
+            min_lr=settings.min_lr,
+            weight_decay=settings.weight_decay,
+            adam_beta1=settings.adam_beta1,
+            adam_beta2=settings.adam_beta2,
+            adam_eps=settings.adam_eps,
+            clip_grad=settings.clip_grad,
+            bf16=settings.bf16,
+            fp16=settings.fp16,
+            use_distributed_optimizer=settings.use_distributed_optimizer,
+        )
+        self.scheduler = build_scheduler(
+            self.optimizer,
+            lr=settings.lr,
+            min_lr=settings.min_lr,
+            lr_decay_style=settings.lr_decay_style,
+            lr_warmup_iters=settings.lr_warmup_iters,
+            lr_decay_iters=settings.lr_decay_iters,
+            lr_warmup_init=settings.lr_warmup_init,
+            weight_decay=settings.weight_decay,
+        )
+        # Megatron's scheduler gives step 0 the warm-up's initial lr; start at step 1
+        # so that the first update already uses lr_init + (lr - lr_init) / warmup.
+        self.scheduler.step(increment=1)
+        self.iteration = 0
+        self._device = compute_device()
+
+    # ------------------------------------------------------------------ #
+    # Weights                                                             #
+    # ------------------------------------------------------------------ #
+
+    def load_hf(self, path: str | Path) -> None:
+        """Load an HF model folder (safetensors) into this rank's shard."""
+        apply_cpu_compat()
+        load_hf_weights(self.model, self.arch, load_hf_checkpoint_dir(path))
+        self.optimizer.reload_model_params()
+
+    def load_hf_state_dict(self, state_dict) -> None:
+        """Load HF-named tensors (a mapping) into this rank's shard."""
+        apply_cpu_compat()
+        load_hf_weights(self.model, self.arch, state_dict)
+        self.optimizer.reload_model_params()
+
+    def export_hf_weights(self, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) for this pipeline stage; collective over TP (iterate fully)."""
+        apply_cpu_compat()
+        return export_hf_weights(self.model, self.arch, dtype=dtype)
+
+    # ------------------------------------------------------------------ #
+    # Forward / backward                                                  #
+    # ------------------------------------------------------------------ #
+
+    def _micro_batches(self, samples: Sequence[dict[str, Any]]) -> list[MicroBatch]:
+        if not samples:
+            raise ValueError("every rank needs at least one sample")
+        multiple = self.settings.tp if self.config.sequence_parallel else 1
+        return [
+            mb.to(self._device)
+            for mb in make_micro_batches(
+                samples,
+                self.settings.micro_batch_size,
+                pad_id=self.settings.pad_token_id,
+                seq_multiple=multiple,
+            )
+        ]
+
+    def _response_logprobs(
+        self, logits: torch.Tensor, mb: MicroBatch, temperature: float, with_entropy: bool
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        index = mb.logit_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+        picked = logits.gather(1, index)
+        logprobs, entropy = token_logprobs(
+            picked,
+            mb.targets,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            chunk_size=self.settings.logprob_chunk_size,
+            real_vocab_size=self.arch.hf_vocab_size,
+        )
+        valid = torch.arange(mb.targets.shape[1], device=logits.device).unsqueeze(0) < torch.tensor(
+            mb.response_lengths, device=logits.device
+        ).unsqueeze(1)
+        logprobs = logprobs.masked_fill(~valid, 0.0)
+        if entropy is not None:
+            entropy = entropy.masked_fill(~valid, 0.0)
+        return logprobs, entropy
+
+    def _run(self, micro_batches: list[MicroBatch], step_fn, forward_only: bool) -> list[dict]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            output = model(mb.tokens, mb.position_ids, None)
+            return output, partial(step_fn, mb)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro_batches),
+            model=[self.model],
+            num_microbatches=len(micro_batches),
+            seq_length=max(mb.seq_length for mb in micro_batches),
+            micro_batch_size=self.settings.micro_batch_size,
+            forward_only=forward_only,
+        )
+
+    def _broadcast_from_last_stage(self, obj: Any) -> Any:
+        from megatron.core import parallel_state as ps
+
+        if self.layout.pp == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(
+            box,
+            src=ps.get_pipeline_model_parallel_last_rank(),
+            group=ps.get_pipeline_model_parallel_group(),
+        )
+        return box[0]
+
+    @torch.no_grad()
+    def compute_logprobs(
+        self, samples: Sequence[dict[str, Any]], temperature: float = 1.0
+    ) -> list[torch.Tensor]:
+        """Log-probs (float32, CPU) of each sample's response tokens under the current weights."""
+        apply_cpu_compat()
+        micro_batches = self._micro_batches(samples)
+
+        def step(mb: MicroBatch, logits: torch.Tensor):
+            logprobs, _ = self._response_logprobs(logits, mb, temperature, with_entropy=False)
+            return logits.new_zeros(()), {"logprobs": logprobs.detach().cpu()}
+
+        self.model.eval()
+        try:
+            outputs = self._run(micro_batches, step, forward_only=True)
+        finally:
+            self.model.train()
+        result: Optional[list[torch.Tensor]] = None
+        if self.layout.is_last_stage:
+            result = []
+            for out, mb in zip(outputs, micro_batches):
+                for row, length in zip(out["logprobs"], mb.response_lengths):
+                    result.append(row[:length].clone())
+        return self._broadcast_from_last_stage(result)
+
+    def train_step(
+        self,
+        samples: Sequence[dict[str, Any]],
+        loss_fn: LossFn,
+        temperature: float = 1.0,
+        *,
+        with_entropy: Optional[bool] = None,
+    ) -> dict[str, float]:
+        """One optimizer step on this rank's samples; returns metrics averaged over all ranks.
+
+        Metrics: `loss` (mean of loss_fn's loss), `grad_norm`, `lr` (used by this
+        update; update k of a warm-up uses lr_init + (lr - lr_init) * k / warmup), `skipped`
+        (1.0 when fp16 overflow skipped the update), `loss_scale`, plus the
+        means of what `loss_fn` returns.
+        """
+        from megatron.core import parallel_state as ps
+
+        apply_cpu_compat()
+        if with_entropy is None:
+            with_entropy = bool(getattr(loss_fn, "needs_entropy", False))
+        micro_batches = self._micro_batches(samples)
+        # Objective = mean of micro-batch losses over all DP ranks, even if ranks
+        # hold different numbers of micro-batches (schedule divides by the local
+        # count, DDP by the DP size).
+        dp_group = ps.get_data_parallel_group()
+        counts = torch.tensor([float(len(micro_batches))], device=self._device)
+        dist.all_reduce(counts, group=dp_group)
+        scale = len(micro_batches) * self.layout.dp / counts.item()
+
+        def step(mb: MicroBatch, logits: torch.Tensor):
+            logprobs, entropy = self._response_logprobs(logits, mb, temperature, with_entropy)
+            loss, metrics = loss_fn(logprobs, entropy, mb.fields, mb.mask)
+            report = {"loss": loss.detach().float()}
+            for key, value in metrics.items():
+                report[key] = torch.as_tensor(value, dtype=torch.float32).detach().to(self._device)
+            return loss * scale, report
+
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run(micro_batches, step, forward_only=False)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        success, grad_norm, _ = self.optimizer.step()
+        if success:
+            self.scheduler.step(increment=1)
+            self.iteration += 1
+        metrics = self._reduce_metrics(outputs, dp_group, counts.item())
+        metrics.update(
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            lr=lr,
+            skipped=0.0 if success else 1.0,
+            loss_scale=float(self.optimizer.get_loss_scale().item()),
+        )
+        return metrics
+
+    def _reduce_metrics(self, outputs: list[dict], dp_group, global_count: float) -> dict[str, float]:
+        """Mean over all micro-batches of all DP ranks (computed on the last stage)."""
+        result: Optional[dict[str, float]] = None
+        if self.layout.is_last_stage:
+            keys = sorted(outputs[0])
+            sums = torch.stack([sum(out[k].float() for out in outputs) for k in keys]).to(self._device)
+            dist.all_reduce(sums, group=dp_group)
+            result = {k: float(v) / global_count for k, v in zip(keys, sums.cpu())}
+        return self._broadcast_from_last_stage(result)
+
+    # ------------------------------------------------------------------ #
+    # Checkpoints                                                         #
+    # ------------------------------------------------------------------ #
+
+    def save_checkpoint(self, path: str | Path) -> Path:
+        """Write model, optimizer, scheduler and RNG state (collective, atomic)."""
+        apply_cpu_compat()
+        return save_checkpoint(
+            path,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            iteration=self.iteration,
+            layout=self.layout,
+            extra_meta={"arch": asdict(self.arch), "settings": asdict(self.settings)},
+        )
+
+    def load_checkpoint(self, path: str | Path) -> int:
+        """Restore state written by `save_checkpoint`; returns the iteration."""
+        apply_cpu_compat()
+        self.iteration = load_checkpoint(
+            path,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            layout=self.layout,
+        )
+        return self.iteration
+
+    @property
+    def gpt_model(self) -> torch.nn.Module:
+        """The underlying `GPTModel` (unwrapped from DDP)."""
+        return unwrap_model(self.model)
