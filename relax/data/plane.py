@@ -13,8 +13,16 @@ Reads:
   * ``get(step)`` (``batch_size=None``) is a non-consuming read of every sample of the
     step that is fully written, sorted by ``Sample.index``.
   * ``get(step, batch_size=k, task_name=t)`` consumes: it returns the next ``k`` samples the
-    task ``t`` has not read yet (TransferQueue tracks consumption per task), or ``[]`` when
-    fewer than ``k`` are ready (``polling_mode``); ``timeout_s`` polls until then.
+    task ``t`` has not read yet (TransferQueue tracks consumption per task), lowest
+    ``Sample.index`` first, or ``[]`` when fewer than ``k`` are ready (``polling_mode``);
+    ``timeout_s`` polls until then; ``group_size=n`` hands out whole prompt groups only.
+    Ordering and groups come from ``relax.data.sampler.IndexOrderSampler``, registered in
+    the controller by ``start``: TransferQueue's default sampler follows global indexes,
+    which are recycled after a clear, so it returns arbitrary subsets and splits groups.
+
+Layouts (``start(layout=...)``, see ``relax.data.codec``): ``"columns"`` (default; one
+TransferQueue field per Sample field, token fields as jagged tensors) or ``"packed"`` (one
+bytes record per sample; ~3-5x faster on 2 CPU cores, opaque to other TransferQueue users).
 
 Pitfalls handled here (measured on transferqueue 0.1.11):
   * the controller and each storage unit reserve 1 Ray CPU; on a cluster with too few CPUs

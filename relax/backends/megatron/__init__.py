@@ -1,0 +1,47 @@
+"""Megatron-core training backend (CPU over gloo, GPU over NCCL, same code).
+
+Modules, one job each:
+    cpu_compat  patches that let megatron-core run without CUDA (the only CUDA-aware module)
+    arch        ModelArch (from an HF config) and the Megatron TransformerConfig
+    parallel    torch.distributed and Megatron parallel-state setup
+    model       GPTModel construction (local spec on CPU, Transformer Engine on GPU)
+    hf_weights  HF <-> Megatron weight loading / TP-gathered export
+    logprobs    per-token log-probs and entropy from vocab-parallel logits
+    batching    samples -> padded micro-batches
+    optim       DDP wrapper, optimizer, LR scheduler
+    checkpoint  atomic save / load of model, optimizer, scheduler, RNG
+    trainer     MegatronTrainer, TrainerSettings, LossFn
+    testing     tiny models, toy data and multi-process helpers for tests
+
+Importing this package does not import megatron-core; the names below load lazily.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "apply_cpu_compat": "cpu_compat",
+    "ModelArch": "arch",
+    "to_transformer_config": "arch",
+    "init_distributed": "parallel",
+    "init_model_parallel": "parallel",
+    "destroy": "parallel",
+    "build_gpt_model": "model",
+    "load_hf_weights": "hf_weights",
+    "export_hf_weights": "hf_weights",
+    "load_hf_checkpoint_dir": "hf_weights",
+    "token_logprobs": "logprobs",
+    "MegatronTrainer": "trainer",
+    "TrainerSettings": "trainer",
+    "LossFn": "trainer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        module = importlib.import_module(f"{__name__}.{_EXPORTS[name]}")
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

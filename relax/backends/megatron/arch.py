@@ -166,6 +166,7 @@ def to_transformer_config(
     fp16: bool = False,
     sequence_parallel: bool = False,
     perform_initialization: bool = True,
+    use_cpu_initialization: bool = True,
     init_method_std: float = 0.02,
     recompute_granularity: Optional[str] = None,
     deterministic_mode: bool = False,
@@ -174,7 +175,9 @@ def to_transformer_config(
     """A Megatron `TransformerConfig` for `arch` under the given parallel layout.
 
     Dropout is off (RL post-training); fusions that need CUDA kernels are off;
-    `overrides` are passed to `TransformerConfig` last.
+    `overrides` are passed to `TransformerConfig` last. With
+    `use_cpu_initialization` the random init is computed unsplit on the CPU, so
+    it is identical for every TP size (slow for large models on GPU).
     """
     from megatron.core.transformer import TransformerConfig
 
@@ -217,7 +220,7 @@ def to_transformer_config(
         pipeline_dtype=params_dtype,
         bf16=bf16,
         fp16=fp16,
-        use_cpu_initialization=True,
+        use_cpu_initialization=use_cpu_initialization,
         perform_initialization=perform_initialization,
         init_method_std=init_method_std,
         bias_activation_fusion=False,

@@ -93,7 +93,8 @@ def _collate(samples: Sequence[dict[str, Any]], pad_id: int, seq_multiple: int) 
         values = [s[key] for s in samples]
         first = values[0]
         if isinstance(first, torch.Tensor) and first.dim() == 1:
-            out = torch.zeros((batch, resp_max), dtype=first.dtype if first.is_floating_point() else torch.float32)
+            dtype = first.dtype if first.is_floating_point() else torch.float32
+            out = torch.zeros((batch, resp_max), dtype=dtype)
             for b, (value, (_, resp)) in enumerate(zip(values, checked)):
                 if value.numel() != resp:
                     raise ValueError(f"sample field {key!r} has {value.numel()} entries, response has {resp}")

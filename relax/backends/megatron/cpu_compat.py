@@ -4,8 +4,7 @@ This is the only module of the Megatron backend that knows CUDA may be missing.
 `apply_cpu_compat()` does nothing when `torch.cuda.is_available()`; otherwise it
 applies the smallest set of patches that megatron-core 0.16 needs on CPU:
 
-1. `torch.cuda.current_device()` returns 0, and device index 0 / "cuda" is
-   rewritten to the CPU by a `TorchFunctionMode` (see 3).
+1. `torch.cuda.current_device()` returns the CPU device.
 2. The CUDA RNG state functions used by Megatron's RNG tracker are routed to
    the default CPU generator, so `model_parallel_cuda_manual_seed` and
    `get_cuda_rng_tracker().fork()` keep their meaning (per-TP-rank streams).
@@ -16,8 +15,8 @@ applies the smallest set of patches that megatron-core 0.16 needs on CPU:
    tensors ("torch.cuda.FloatTensor"), which Megatron's optimizers assert.
 5. `torch.cuda.synchronize()` is a no-op.
 6. `torch.cuda.current_stream()/default_stream()/stream()/Stream/Event` are dummies.
-7. Split sizes of `all_to_all_single` (MoE token dispatch) that stayed
-   tensors, because Megatron only moves CUDA tensors to the host, become lists.
+7. Code reached from backward (where no function mode is active): causal masks
+   built on the CPU, MoE split sizes converted to NumPy as on GPU.
 8. (No Transformer Engine) the MoE router's `te_general_gemm` name is defined as None.
 
 The patches are idempotent: the process-wide ones are applied once, and the
@@ -85,25 +84,7 @@ class _CudaToCpuMode(TorchFunctionMode):
             return _CUDA_TYPE_NAMES.get(name, name)
         elif func is torch.Tensor.record_stream:
             return None
-        elif func is _all_to_all_single():
-            args, kwargs = _split_sizes_as_lists(args, kwargs)
         return func(*args, **kwargs)
-
-
-def _all_to_all_single():
-    import torch.distributed as dist
-
-    return dist.all_to_all_single if dist.is_available() else None
-
-
-def _split_sizes_as_lists(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Split sizes that stayed tensors (they are moved to host only from CUDA) -> lists."""
-    args = tuple(a.tolist() if i in (2, 3) and isinstance(a, torch.Tensor) else a for i, a in enumerate(args))
-    kwargs = {
-        k: v.tolist() if k.endswith("split_sizes") and isinstance(v, torch.Tensor) else v
-        for k, v in kwargs.items()
-    }
-    return args, kwargs
 
 
 class _DummyEvent:
@@ -161,7 +142,7 @@ def _cpu_manual_seed(seed: int) -> None:
 
 def _patch_process() -> None:
     cuda = torch.cuda
-    cuda.current_device = lambda: 0
+    cuda.current_device = lambda: _CPU
     cuda.synchronize = lambda device=None: None
     cuda.current_stream = lambda device=None: _DummyStream()
     cuda.default_stream = lambda device=None: _DummyStream()
@@ -179,12 +160,52 @@ def _patch_process() -> None:
     mcore_random._get_cuda_rng_state = _cpu_get_rng_state
     mcore_random._set_cuda_rng_state = _cpu_set_rng_state
 
+    _patch_backward_paths()
+
     # Without Transformer Engine, megatron-core 0.16 leaves this name undefined
     # but tests it in the MoE router's gating linear.
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, device=_CPU), diagonal=1).bool()
+
+
+def _cpu_sliding_window_mask(sq, skv, window_size) -> torch.Tensor:
+    m = torch.ones(sq, skv, dtype=torch.bool, device=_CPU)
+    upper = torch.triu(m, diagonal=skv - sq - window_size[0])
+    return ~torch.tril(upper, diagonal=skv - sq + window_size[1])
+
+
+def _maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+    # Megatron converts split sizes to NumPy only when moving them off the GPU;
+    # all_to_all_single rejects tensors, so convert CPU tensors too.
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
+def _patch_backward_paths() -> None:
+    """Code that also runs during backward, where the function mode is not active.
+
+    torch pops a `TorchFunctionMode` while it handles a call, and the whole
+    backward pass runs inside the handling of `torch.autograd.backward`, so
+    custom autograd backwards and activation recomputation see no mode. What
+    they need: `current_device()` (patched to the CPU device), the causal masks
+    (hard-coded "cuda") and MoE split sizes (left as tensors on CPU).
+    """
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as transformer_utils
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    for module in (fused_softmax, transformer_utils):
+        module.get_default_causal_mask = _cpu_causal_mask
+        module.get_sliding_window_causal_mask = _cpu_sliding_window_mask
+    moe_utils.maybe_move_tensor_to_cpu = _maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = _maybe_move_tensor_to_cpu
 
 
 def cpu_compat_active() -> bool:

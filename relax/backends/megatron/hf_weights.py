@@ -16,7 +16,7 @@ import json
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -145,8 +145,6 @@ class _ParamInfo:
 
 
 def _param_infos(model: torch.nn.Module, arch: ModelArch) -> list[_ParamInfo]:
-    from megatron.core import parallel_state as ps
-
     gpt = unwrap_model(model)
     infos: list[_ParamInfo] = []
     for name, param in gpt.named_parameters():
@@ -417,9 +415,3 @@ def load_hf_checkpoint_dir(path: str | Path) -> Mapping[str, torch.Tensor]:
         state.update(torch.load(b, map_location="cpu", weights_only=True))
     return state
 
-
-def hf_state_dict_from_export(
-    pairs: Iterator[tuple[str, torch.Tensor]], keep: Callable[[str], bool] = lambda n: True
-) -> dict[str, torch.Tensor]:
-    """Collect `export_hf_weights` output into a dict (convenience for tests / saving)."""
-    return {name: t for name, t in pairs if keep(name)}

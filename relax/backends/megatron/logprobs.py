@@ -76,7 +76,8 @@ def _chunk_logprobs(
     scaled = _mask_padded_vocab(scaled, rank * logits.shape[-1], real_vocab)
     entropy = vocab_parallel_entropy(scaled) if with_entropy else None
     # vocab_parallel_cross_entropy works in place on its input: give it its own copy.
-    nll = vocab_parallel_cross_entropy(scaled.clone() if with_entropy or scaled is logits else scaled, targets)
+    private = scaled.clone() if with_entropy or scaled is logits else scaled
+    nll = vocab_parallel_cross_entropy(private, targets)
     return -nll, entropy
 
 

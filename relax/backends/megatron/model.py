@@ -52,8 +52,9 @@ def build_gpt_model(
 ):
     """A `GPTModel` for this rank's pipeline stage, on the compute device.
 
-    `use_te=None` picks Transformer Engine when `te_available()`. Parameters are
-    initialised on the CPU (identically for any TP size) and then moved.
+    `use_te=None` picks Transformer Engine when `te_available()`. With the
+    config's `use_cpu_initialization` parameters are initialised on the CPU
+    (identically for any TP size) and then moved to the compute device.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel

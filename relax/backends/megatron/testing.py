@@ -66,7 +66,9 @@ def build_random_tiny_moe_model(path: str | Path, seed: int = 0, num_experts: in
     return path
 
 
-def toy_samples(count: int, seed: int = 0, vocab: int = 256, min_len: int = 6, max_len: int = 24) -> list[dict]:
+def toy_samples(
+    count: int, seed: int = 0, vocab: int = 256, min_len: int = 6, max_len: int = 24
+) -> list[dict]:
     """Random prompt+response samples with advantages, old log-probs and a loss mask."""
     gen = torch.Generator().manual_seed(seed)
     samples = []

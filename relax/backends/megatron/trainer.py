@@ -134,6 +134,7 @@ class MegatronTrainer:
             fp16=settings.fp16,
             sequence_parallel=settings.sequence_parallel,
             recompute_granularity="full" if settings.recompute_activations else None,
+            use_cpu_initialization=compute_device().type == "cpu",
         )
         gpt = build_gpt_model(arch, self.config, settings.use_te)
         if settings.bf16 or settings.fp16:
@@ -198,9 +199,36 @@ class MegatronTrainer:
     # Forward / backward                                                  #
     # ------------------------------------------------------------------ #
 
+    def _check_same_samples_in_replica(self, samples: Sequence[dict[str, Any]]) -> None:
+        """Raise if the TP/PP/CP peers of this model replica were given different samples."""
+        from megatron.core import parallel_state as ps
+
+        if self.layout.world_size == self.layout.dp:
+            return
+        tokens = [s["tokens"] for s in samples]
+        signature = torch.tensor(
+            [
+                float(len(samples)),
+                float(sum(int(t.numel()) for t in tokens)),
+                float(sum(int(t.long().sum()) for t in tokens)),
+                float(sum(int(s["response_length"]) for s in samples)),
+            ],
+            dtype=torch.float64,
+            device=self._device,
+        )
+        low, high = signature.clone(), signature.clone()
+        group = ps.get_model_parallel_group()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+        if not torch.equal(low, high):
+            raise ValueError(
+                "ranks of one model replica (same data-parallel rank) got different samples"
+            )
+
     def _micro_batches(self, samples: Sequence[dict[str, Any]]) -> list[MicroBatch]:
         if not samples:
             raise ValueError("every rank needs at least one sample")
+        self._check_same_samples_in_replica(samples)
         multiple = self.settings.tp if self.config.sequence_parallel else 1
         return [
             mb.to(self._device)
