@@ -43,7 +43,10 @@ _E2E_LOOP = {
     "use_tensorboard", "tb_project_name", "tb_experiment_name",
 }
 
-IMPLEMENTED: frozenset[str] = frozenset(_CONFIG_LAYER | _E2E_LOOP)
+from relax.config.support_rollout import ROLLOUT_FEATURES  # noqa: E402
+from relax.config.support_training import TRAINING_FEATURES  # noqa: E402
+
+IMPLEMENTED: frozenset[str] = frozenset(_CONFIG_LAYER | _E2E_LOOP | TRAINING_FEATURES | ROLLOUT_FEATURES)
 
 # Flags whose feature is built for some values only: dest -> supported values.
 SUPPORTED_VALUES: dict[str, frozenset] = {

@@ -59,7 +59,9 @@ def validate_and_derive(values: dict[str, Any], explicit: frozenset[str],
     defaults = defaults or {}
     explicit = frozenset(d for d in explicit if d not in HOOK_FLAGS or v.get(d) != defaults.get(d, object()))
     embedded = apply_embedded_default(v, explicit)
-    for rule in RULES:
+    from relax.config import rules_rollout, rules_training
+
+    for rule in RULES + tuple(rules_training.RULES) + tuple(rules_rollout.RULES):
         if not (embedded and rule is check_data):  # the embedded data is created at start-up
             rule(v, explicit)
     derive(v, explicit)

@@ -33,6 +33,7 @@ class Controller:
         self.metrics = None
         self.engine_urls: list[str] = []
         self.start_step = 0
+        self.aux = None
 
     # ------------------------------------------------------------------ start-up
     def start(self) -> None:
@@ -80,8 +81,13 @@ class Controller:
         logger.info("trainer: %d rank(s), data-parallel %d, %d parameters", actor_world, infos[0]["dp"],
                     infos[0]["params"])
         self.rollout = RolloutManager.options(num_cpus=1).remote(c)
-        self.engine_urls = ray.get(self.rollout.start_engines.remote(pg_rollout))
-        logger.info("rollout: %d engine(s) behind %s", len(self.engine_urls), ray.get(self.rollout.router_url.remote()))
+        if not c.debug_train_only:  # train-only debugging replays saved rollouts: no engines
+            self.engine_urls = ray.get(self.rollout.start_engines.remote(pg_rollout))
+            logger.info("rollout: %d engine(s) behind %s", len(self.engine_urls),
+                        ray.get(self.rollout.router_url.remote()))
+        from relax.core.roles import build_aux_roles
+
+        self.aux = build_aux_roles(c, use_gpu=use_gpu, data_plane=self.data)
         self.metrics = MetricsWriter.from_config(c)
         if c.load:
             self._resume(c.load)
@@ -89,21 +95,28 @@ class Controller:
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
         c = self.config
+        if self._eval_enabled() and not c.skip_eval_before_train:
+            self.metrics.log(self.start_step, {**ray.get(self.rollout.evaluate.remote(self.start_step)),
+                                               "eval/before_train": 1.0})
         for step in range(self.start_step, c.num_rollout):
             t0 = time.perf_counter()
             metrics = ray.get(self.rollout.generate.remote(step))
             t1 = time.perf_counter()
-            outputs = ray.get([w.train.remote(step) for w in self.workers])
-            t2 = time.perf_counter()
             metrics["data/step_samples"] = float(self.data.size(step))  # what went through TransferQueue
+            if not c.debug_rollout_only:
+                extras = self.aux.pre_train(step)
+                outputs = ray.get([w.train.remote(step, extras) for w in self.workers])
+                self.aux.post_train(step, outputs[0])
+                metrics.update(outputs[0])
+            t2 = time.perf_counter()
             self.data.clear(step)
-            metrics.update(outputs[0])
             sync_time = 0.0
-            if (step + 1) % c.update_weights_interval == 0:
+            if (step + 1) % c.update_weights_interval == 0 and not (c.debug_rollout_only or c.debug_train_only):
                 reports = ray.get([w.push_weights.remote(self.engine_urls, step + 1, c.update_weight_buffer_size)
                                    for w in self.workers])
                 sync = reports[0]
                 sync_time = time.perf_counter() - t2
+                self.aux.after_weight_update(step)
                 metrics.update({"perf/weight_sync_bytes": float(sync["bytes"]),
                                 "perf/weight_sync_bytes_per_s": sync["bytes_per_s"],
                                 "weights/version": float(step + 1)})
@@ -115,9 +128,15 @@ class Controller:
                 "perf/rollout_time": t1 - t0, "perf/train_time": t2 - t1, "perf/weight_sync_time": sync_time,
                 "perf/save_time": time.perf_counter() - t3, "perf/step_time": step_time,
                 "perf/tokens_per_s": metrics.get("train/tokens", 0.0) / step_time,
-                "perf/samples_per_s": metrics["rollout/num_samples"] / step_time,
+                "perf/samples_per_s": metrics.get("rollout/num_samples", 0.0) / step_time,
             })
+            if self._eval_enabled() and (step + 1) % c.eval_interval == 0:
+                metrics.update(ray.get(self.rollout.evaluate.remote(step + 1)))
             self.metrics.log(step, metrics)
+
+    def _eval_enabled(self) -> bool:
+        c = self.config
+        return bool(c.eval_interval) and bool(c.eval_prompt_data or c.eval_config)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, rollout_id: int) -> Path:
@@ -125,6 +144,7 @@ class Controller:
         root = Path(self.config.save)
         path = root / f"iter_{rollout_id:07d}"
         ray.get([w.save.remote(str(path / "actor")) for w in self.workers])
+        self.aux.save(str(path))
         state = ray.get(self.rollout.state_dict.remote())
         tmp = path / "relax_state.json.tmp"
         tmp.write_text(json.dumps({"rollout_id": rollout_id, "rollout": state}))
@@ -143,6 +163,7 @@ class Controller:
         rollout_id = int(marker.read_text().strip())
         path = root / f"iter_{rollout_id:07d}"
         ray.get([w.load.remote(str(path / "actor")) for w in self.workers])
+        self.aux.load(str(path))
         state = json.loads((path / "relax_state.json").read_text())
         ray.get(self.rollout.load_state_dict.remote(state["rollout"]))
         self.start_step = rollout_id if self.config.start_rollout_id is None else self.config.start_rollout_id
@@ -152,6 +173,11 @@ class Controller:
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:
+        if self.aux is not None:
+            try:
+                self.aux.shutdown()
+            except Exception as exc:
+                logger.warning("auxiliary roles shutdown: %s", exc)
         if self.rollout is not None:
             try:
                 ray.get(self.rollout.shutdown.remote(), timeout=60)

@@ -148,6 +148,10 @@ class RolloutManager:
             "perf/rollout_tokens_per_s": sum(lengths) / gen_time if gen_time > 0 else 0.0,
         }
 
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Metrics under `eval/<name>/...` for the configured evaluation sets."""
+        raise NotImplementedError("evaluation (--eval-interval with --eval-prompt-data/--eval-config) is not built yet")
+
     # ------------------------------------------------------------------ checkpoints and shutdown
     def state_dict(self) -> dict[str, Any]:
         return {"source": self.source.state_dict(), "next_index": self.next_index, "next_group": self.next_group}

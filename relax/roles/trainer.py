@@ -70,8 +70,11 @@ class TrainerWorker:
         return {"rank": self.rank, "dp": self.trainer.layout.dp, "params": sum(
             p.numel() for p in self.trainer.gpt_model.parameters())}
 
-    def train(self, step: int) -> dict[str, float]:
-        """Read step `step` from the data plane, compute advantages, and run the optimizer steps."""
+    def train(self, step: int, extras: dict[str, Any] | None = None) -> dict[str, float]:
+        """Read step `step` from the data plane, compute advantages, and run the optimizer steps.
+
+        `extras` holds per-sample inputs from auxiliary roles (see relax.core.roles), by sample order.
+        """
         import torch
 
         from relax.training.advantages import sample_advantages, trainer_inputs
