@@ -90,11 +90,13 @@ def test_real_megatron_parser_is_merged(megatron_path):
     """With megatron.training importable, any Megatron flag is accepted (not only mirrored ones)."""
     script = (
         "from relax.config import parse_config\n"
-        "cfg = parse_config(['--data-path', 'a', 'b', '--rl-skip-bos-token', '--eval-interval', '3', "
+        "cfg = parse_config(['--data-path', 'a', 'b', '--rl-skip-bos-token', "
         "'--lr', '2e-6', '--output-dir', '/tmp/relax-mlm'])\n"
-        "print(cfg.meta['sources']['megatron'], cfg.data_path, cfg.eval_interval, cfg.lr, cfg.seed)\n"
+        "from relax.config.parser import build_parser\n"
+        "owner = build_parser()[0]._option_string_actions['--eval-interval'].help\n"
+        "print(cfg.meta['sources']['megatron'], cfg.data_path, 'rollout' in owner, cfg.lr, cfg.seed)\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           env=_env(megatron_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["megatron-lm", "['a',", "'b']", "3", "2e-06", "1234"]
+    assert proc.stdout.split() == ["megatron-lm", "['a',", "'b']", "True", "2e-06", "1234"]

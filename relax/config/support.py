@@ -44,7 +44,7 @@ _E2E_LOOP = {
 }
 
 from relax.config.support_rollout import ROLLOUT_FEATURES  # noqa: E402
-from relax.config.support_training import TRAINING_FEATURES  # noqa: E402
+from relax.config.support_training import TRAINING_FEATURES, TRAINING_SUPPORTED_VALUES  # noqa: E402
 
 IMPLEMENTED: frozenset[str] = frozenset(_CONFIG_LAYER | _E2E_LOOP | TRAINING_FEATURES | ROLLOUT_FEATURES)
 
@@ -54,6 +54,8 @@ SUPPORTED_VALUES: dict[str, frozenset] = {
     "loss_type": frozenset({"policy_loss"}),
     "rollout_backend": frozenset({"auto", "embedded"}),
 }
+for _dest, _values in TRAINING_SUPPORTED_VALUES.items():
+    SUPPORTED_VALUES[_dest] = SUPPORTED_VALUES.get(_dest, frozenset()) | frozenset(_values)
 
 
 def unsupported_flags(config: Config, implemented: frozenset[str] = IMPLEMENTED) -> list[str]:

@@ -13,10 +13,16 @@ import ray
 logger = logging.getLogger(__name__)
 
 
-def trainer_settings(config: Any):
+def trainer_settings(config: Any, *, forward_only: bool = False):
     from relax.backends.megatron.trainer import TrainerSettings
 
+    dynamic = bool(config.use_dynamic_batch_size)
     return TrainerSettings(
+        forward_only=forward_only,
+        trainable_params=tuple(config.only_train_params_name_list or ()) if not forward_only else (),
+        frozen_params=tuple(config.freeze_params_name_list or ()) if not forward_only else (),
+        max_tokens_per_micro_batch=config.max_tokens_per_gpu if dynamic else None,
+        logprob_max_tokens_per_micro_batch=config.log_probs_max_tokens_per_gpu if dynamic else None,
         tp=config.tensor_model_parallel_size, pp=config.pipeline_model_parallel_size,
         cp=config.context_parallel_size, ep=config.expert_model_parallel_size,
         etp=config.expert_tensor_parallel_size, lr=config.lr, min_lr=config.min_lr or 0.0,
@@ -66,6 +72,8 @@ class TrainerWorker:
         arch = ModelArch.from_hf_config(hf_config)
         self.trainer = MegatronTrainer(arch, trainer_settings(self.config))
         self.trainer.load_hf(self.config.hf_checkpoint)
+        if self.config.ref_load:  # the actor starts from the reference weights (--load, if any, comes later)
+            self.trainer.load_weights(self.config.ref_load, self.config.ref_ckpt_step)
         self.data = DataPlane.attach()
         return {"rank": self.rank, "dp": self.trainer.layout.dp, "params": sum(
             p.numel() for p in self.trainer.gpt_model.parameters())}
@@ -73,44 +81,20 @@ class TrainerWorker:
     def train(self, step: int, extras: dict[str, Any] | None = None) -> dict[str, float]:
         """Read step `step` from the data plane, compute advantages, and run the optimizer steps.
 
-        `extras` holds per-sample inputs from auxiliary roles (see relax.core.roles), by sample order.
+        `extras` holds per-sample inputs from auxiliary roles (see relax.core.roles), by sample order;
+        `ref_update_targets` (reference workers, one per rank) asks this rank to copy its weights there
+        after the update (--ref-update-interval).
         """
-        import torch
+        from relax.training.step import train_rollout
 
-        from relax.training.advantages import sample_advantages, trainer_inputs
-        from relax.training.objective import PolicyObjective
-
-        t0 = time.perf_counter()
+        extras = extras or {}
         samples = self.data.get(step)  # the whole step, in index order, on every rank
-        if not samples:
-            raise RuntimeError(f"step {step}: no samples in the data plane")
-        advantages = sample_advantages(samples, self.config)
-        inputs = trainer_inputs(samples, advantages)
-        layout = self.trainer.layout
-        gbs = self.config.global_batch_size or len(inputs)
-        num_updates = max(1, len(inputs) // gbs)
-        temperature = self.config.rollout_temperature
-        if num_updates > 1 or self.config.use_rollout_logprobs:
-            if self.config.use_rollout_logprobs:
-                olds = [x["rollout_logprobs"] for x in inputs]
-            else:
-                olds = self.trainer.compute_logprobs(inputs, temperature)
-            for x, old in zip(inputs, olds):
-                x["old_logprobs"] = old
-        objective = PolicyObjective.from_config(self.config)
-        metrics: dict[str, list[float]] = {}
-        for update in range(num_updates):
-            batch = inputs[update * gbs:(update + 1) * gbs]
-            mine = batch[layout.dp_rank::layout.dp]
-            out = self.trainer.train_step(mine, objective, temperature)
-            for key, value in out.items():
-                if not torch.isfinite(torch.tensor(value)) and key in ("loss", "grad_norm"):
-                    raise FloatingPointError(f"step {step}: train/{key} is {value}; the update was not applied")
-                metrics.setdefault(key, []).append(value)
-        result = {f"train/{k}": sum(v) / len(v) for k, v in metrics.items()}
-        result["train/num_updates"] = float(num_updates)
-        result["train/tokens"] = float(sum(len(x["tokens"]) for x in inputs))
-        result["perf/train_compute_time"] = time.perf_counter() - t0
+        result = train_rollout(self.trainer, samples, self.config, extras, step)
+        targets = extras.get("ref_update_targets")
+        if targets:
+            t0 = time.perf_counter()
+            ray.get(targets[self.rank].set_model_state.remote(self.trainer.model_state()))
+            result["perf/ref_update_time"] = time.perf_counter() - t0
         return result
 
     def compute_logprobs(self, tokens: list[list[int]], response_lengths: list[int],
@@ -138,6 +122,9 @@ class TrainerWorker:
 
     def load(self, path: str) -> int:
         return self.trainer.load_checkpoint(path)
+
+    def model_state(self) -> dict[str, Any]:
+        return self.trainer.model_state()
 
     def weights_checksum(self) -> float:
         import torch

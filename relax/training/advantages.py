@@ -1,4 +1,19 @@
-"""Per-sample advantages of one rollout step, from its samples' rewards and groups."""
+"""Advantages of one rollout step, from its samples' rewards, groups and (optionally) reference log-probs.
+
+Every estimator yields per-token advantages (one tensor per sample, over its response tokens):
+
+* group estimators (grpo, gspo, sapo, cispo, on_policy_distillation) and rloo: one advantage per
+  sample, broadcast over its tokens; with `--kl-coef` the sample advantage becomes the reward at the
+  last token, each token gets `-kl_coef * KL_t`, and the advantage is the return-to-go
+  (`relax.algorithms.kl_penalized_token_rewards` + `discounted_returns` with `--gamma`);
+* reinforce_plus_plus: discounted return-to-go of KL-penalised token rewards (raw rewards);
+* reinforce_plus_plus_baseline: group-mean-centred reward minus `kl_coef * KL_t` per token;
+* `--normalize-advantages`: masked whitening over all response tokens of the step.
+
+KL_t (reward shaping) is `kl_estimate(old_logprobs, ref_logprobs, --kl-loss-type)`, the rollout
+policy's log-probs (trainer-recomputed, or the engine's with --use-rollout-logprobs) against the
+reference model's.
+"""
 
 from __future__ import annotations
 
@@ -10,35 +25,99 @@ from relax import algorithms as alg
 from relax.data.sample import Sample
 
 GROUP_ESTIMATORS = {"grpo", "gspo", "sapo", "cispo", "on_policy_distillation"}
+TOKEN_ESTIMATORS = {"reinforce_plus_plus", "reinforce_plus_plus_baseline"}
+SUPPORTED = frozenset(GROUP_ESTIMATORS | TOKEN_ESTIMATORS | {"rloo"})
+
+
+def pad_rows(rows: Sequence[Sequence[float] | torch.Tensor], width: int, dtype=torch.float32) -> torch.Tensor:
+    """Right-pad 1-D rows with zeros to [len(rows), width]."""
+    out = torch.zeros((len(rows), width), dtype=dtype)
+    for i, row in enumerate(rows):
+        row = torch.as_tensor(row, dtype=dtype)
+        out[i, : row.numel()] = row
+    return out
+
+
+def response_mask(samples: Sequence[Sample]) -> torch.Tensor:
+    width = max((len(s.response_tokens) for s in samples), default=0)
+    return pad_rows([s.loss_mask or [1] * len(s.response_tokens) for s in samples], width) > 0
 
 
 def sample_advantages(samples: Sequence[Sample], config: Any) -> torch.Tensor:
-    """One advantage per sample ([B] float32), broadcast later over its response tokens."""
+    """One advantage per sample ([B] float32) for the group estimators and rloo."""
     rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float32)
     groups = torch.tensor([int(s.group_index) for s in samples], dtype=torch.long)
     est = config.advantage_estimator
     if config.disable_rewards_normalization:
-        adv = rewards.clone()
-    elif est in GROUP_ESTIMATORS:
-        adv = alg.grpo_advantages(rewards, groups, normalize_std=not config.disable_grpo_std_normalization)
-    elif est == "rloo":
-        adv = alg.rloo_advantages(rewards, groups)
-    else:
+        return rewards.clone()
+    if est in GROUP_ESTIMATORS:
+        return alg.grpo_advantages(rewards, groups, normalize_std=not config.disable_grpo_std_normalization).float()
+    if est == "rloo":
+        return alg.rloo_advantages(rewards, groups).float()
+    raise ValueError(f"advantage estimator {est!r} has no per-sample advantage")
+
+
+def compute_advantages(
+    samples: Sequence[Sample],
+    config: Any,
+    *,
+    old_logprobs: Sequence[torch.Tensor] | None = None,
+    ref_logprobs: Sequence[torch.Tensor] | None = None,
+) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """Per-token advantages (one float32 tensor per sample, length = its response) and metrics.
+
+    `old_logprobs` / `ref_logprobs` (per sample, over the response) are needed with `--kl-coef`.
+    """
+    est = config.advantage_estimator
+    if est not in SUPPORTED:
         raise ValueError(f"advantage estimator {est!r} is not wired into the training loop yet")
+    lengths = [len(s.response_tokens) for s in samples]
+    mask = response_mask(samples)
+    width = mask.shape[1]
+    metrics: dict[str, float] = {}
+    kl = None
+    kl_coef = float(config.kl_coef or 0.0)
+    if kl_coef:
+        if old_logprobs is None or ref_logprobs is None:
+            raise ValueError("--kl-coef needs the rollout policy's and the reference model's log-probs")
+        kl = alg.kl_estimate(pad_rows(old_logprobs, width), pad_rows(ref_logprobs, width), config.kl_loss_type,
+                             mask=mask)
+        metrics["kl_reward"] = float(kl.sum() / mask.sum().clamp_min(1))
+    rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float32)
+    if est == "reinforce_plus_plus":
+        adv = alg.reinforce_plus_plus_advantages(rewards, mask, kl=kl, kl_coef=kl_coef, gamma=config.gamma,
+                                                 whiten_advantages=False)
+    elif est == "reinforce_plus_plus_baseline":
+        groups = torch.tensor([int(s.group_index) for s in samples], dtype=torch.long)
+        adv = alg.reinforce_plus_plus_baseline_advantages(rewards, groups, mask, kl=kl, kl_coef=kl_coef,
+                                                          whiten_advantages=False)
+    else:
+        per_sample = sample_advantages(samples, config)
+        if kl is not None:
+            shaped = alg.kl_penalized_token_rewards(per_sample, mask, kl=kl, kl_coef=kl_coef)
+            adv = alg.discounted_returns(shaped, mask, config.gamma)
+        else:
+            adv = alg.broadcast_to_tokens(per_sample, mask)
     if config.normalize_advantages:
-        adv = alg.whiten(adv)
-    return adv.float()
+        adv = alg.whiten(adv, mask)
+    adv = adv.float()
+    return [adv[i, :n].clone() for i, n in enumerate(lengths)], metrics
 
 
-def trainer_inputs(samples: Sequence[Sample], advantages: torch.Tensor) -> list[dict[str, Any]]:
-    """`MegatronTrainer` sample dicts: tokens, response_length and per-response-token fields."""
+def trainer_inputs(samples: Sequence[Sample], advantages: Sequence[torch.Tensor] | torch.Tensor) -> list[dict[str, Any]]:
+    """`MegatronTrainer` sample dicts: tokens, response_length and per-response-token fields.
+
+    `advantages`: per-token tensors (one per sample) or one value per sample ([B])."""
     out = []
-    for sample, adv in zip(samples, advantages.tolist()):
+    for i, sample in enumerate(samples):
         n = len(sample.response_tokens)
+        adv = advantages[i]
+        if not isinstance(adv, torch.Tensor) or adv.dim() == 0:
+            adv = torch.full((n,), float(adv), dtype=torch.float32)
         out.append({
             "tokens": torch.tensor(sample.prompt_tokens + sample.response_tokens, dtype=torch.long),
             "response_length": n,
-            "advantages": torch.full((n,), float(adv), dtype=torch.float32),
+            "advantages": adv.float(),
             "loss_mask": torch.tensor(sample.loss_mask or [1] * n, dtype=torch.float32),
             "rollout_logprobs": torch.tensor(sample.response_logprobs, dtype=torch.float32),
         })

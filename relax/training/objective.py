@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -13,22 +13,56 @@ _PPO_CLIP = {"grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baselin
 SUPPORTED_ESTIMATORS = frozenset(_PPO_CLIP | {"gspo", "sapo", "cispo"})
 
 
+def _hook(path: Optional[str], flag: str) -> Optional[Callable]:
+    if not path:
+        return None
+    from relax.config.validate import import_hook
+
+    return import_hook(path, flag)
+
+
 class PolicyObjective:
     """`loss_fn(logprobs, entropy, batch, mask) -> (loss, metrics)` for `MegatronTrainer.train_step`.
 
     batch fields used: `advantages` [B,T], `old_logprobs` [B,T] (absent: on-policy, ratio 1 with the
-    current log-probs detached), `loss_mask` [B,T].
+    current log-probs detached), `loss_mask` [B,T], `rollout_logprobs` [B,T] (the engine's; TIS, OPSM,
+    mismatch metrics), `ref_logprobs` [B,T] (KL loss).
+
+    loss = reduce(pg_per_token [* TIS weight] [* OPSM keep]) - entropy_coef * H + kl_loss_coef * KL
+
+    Hooks (dotted paths):
+      * custom TIS: `fn(pg_loss, train_logprobs, rollout_logprobs, mask) -> (pg_loss, mask, metrics)`, all
+        [B,T] (`train_logprobs` are the trainer's log-probs of the rollout policy); replaces --use-tis;
+      * custom pg-loss reducer: `fn(pg_loss [B,T], mask [B,T]) -> scalar` (the policy-gradient term only);
+      * custom loss (`--loss-type custom_loss`): `fn(logprobs, entropy, batch, mask) -> (loss, metrics)`,
+        the whole micro-batch loss.
+    `--loss-type sft`: the loss is the reduced negative log-likelihood of the response tokens.
     """
 
     def __init__(self, *, estimator: str, eps_clip: float, eps_clip_high: float, eps_clip_c: float | None,
-                 entropy_coef: float, per_token_loss: bool, sapo_tau_pos: float = 1.0, sapo_tau_neg: float = 1.05):
-        if estimator not in SUPPORTED_ESTIMATORS:
+                 entropy_coef: float, per_token_loss: bool, sapo_tau_pos: float = 1.0, sapo_tau_neg: float = 1.05,
+                 loss_type: str = "policy_loss", use_kl_loss: bool = False, kl_loss_coef: float = 0.0,
+                 kl_loss_type: str = "k1", use_unbiased_kl: bool = False, use_tis: bool = False,
+                 tis_clip: float = 2.0, tis_clip_low: float = 0.0, use_opsm: bool = False, opsm_delta: float = 1e-4,
+                 get_mismatch_metrics: bool = False, custom_tis: Optional[Callable] = None,
+                 custom_reducer: Optional[Callable] = None, custom_loss: Optional[Callable] = None):
+        if loss_type == "policy_loss" and estimator not in SUPPORTED_ESTIMATORS:
             raise ValueError(f"advantage estimator {estimator!r} has no policy loss here")
+        if loss_type == "custom_loss" and custom_loss is None:
+            raise ValueError("--loss-type custom_loss needs --custom-loss-function-path")
         self.estimator = estimator
+        self.loss_type = loss_type
         self.eps_clip, self.eps_clip_high, self.eps_clip_c = eps_clip, eps_clip_high, eps_clip_c
         self.entropy_coef = entropy_coef
         self.reduction = "token_mean" if per_token_loss else "sample_mean"
+        self.loss_weighting = "tokens" if per_token_loss else "samples"  # for dynamic batch sizes
         self.sapo = (sapo_tau_pos, sapo_tau_neg)
+        self.use_kl_loss, self.kl_loss_coef, self.kl_loss_type = use_kl_loss, kl_loss_coef, kl_loss_type
+        self.use_unbiased_kl = use_unbiased_kl
+        self.use_tis, self.tis_clip, self.tis_clip_low = use_tis, tis_clip, tis_clip_low
+        self.use_opsm, self.opsm_delta = use_opsm, opsm_delta
+        self.get_mismatch_metrics = get_mismatch_metrics
+        self.custom_tis, self.custom_reducer, self.custom_loss = custom_tis, custom_reducer, custom_loss
         self.needs_entropy = True  # reported as train/entropy; cheap next to the forward pass
 
     @classmethod
@@ -36,33 +70,86 @@ class PolicyObjective:
         return cls(estimator=config.advantage_estimator, eps_clip=config.eps_clip, eps_clip_high=config.eps_clip_high,
                    eps_clip_c=config.eps_clip_c, entropy_coef=config.entropy_coef,
                    per_token_loss=bool(config.calculate_per_token_loss), sapo_tau_pos=config.sapo_tau_pos,
-                   sapo_tau_neg=config.sapo_tau_neg)
+                   sapo_tau_neg=config.sapo_tau_neg, loss_type=config.loss_type, use_kl_loss=bool(config.use_kl_loss),
+                   kl_loss_coef=float(config.kl_loss_coef or 0.0), kl_loss_type=config.kl_loss_type,
+                   use_unbiased_kl=bool(config.use_unbiased_kl), use_tis=bool(config.use_tis),
+                   tis_clip=config.tis_clip, tis_clip_low=config.tis_clip_low or 0.0, use_opsm=bool(config.use_opsm),
+                   opsm_delta=config.opsm_delta, get_mismatch_metrics=bool(config.get_mismatch_metrics),
+                   custom_tis=_hook(config.custom_tis_function_path, "--custom-tis-function-path"),
+                   custom_reducer=_hook(config.custom_pg_loss_reducer_function_path,
+                                        "--custom-pg-loss-reducer-function-path"),
+                   custom_loss=_hook(config.custom_loss_function_path, "--custom-loss-function-path")
+                   if config.loss_type == "custom_loss" else None)
+
+    @property
+    def needs_ref(self) -> bool:
+        return self.use_kl_loss
+
+    def _policy_loss(self, logprobs, old, advantages, mask):
+        if self.estimator in _PPO_CLIP:
+            return alg.ppo_policy_loss(logprobs, old, advantages, mask, eps_clip=self.eps_clip,
+                                       eps_clip_high=self.eps_clip_high, eps_clip_c=self.eps_clip_c)
+        if self.estimator == "gspo":
+            return alg.gspo_policy_loss(logprobs, old, advantages, mask, eps_clip=self.eps_clip,
+                                        eps_clip_high=self.eps_clip_high)
+        if self.estimator == "sapo":
+            return alg.sapo_policy_loss(logprobs, old, advantages, mask, tau_pos=self.sapo[0], tau_neg=self.sapo[1])
+        return alg.cispo_policy_loss(logprobs, old, advantages, mask, eps_clip_high=self.eps_clip_high,
+                                     eps_clip=self.eps_clip)
 
     def __call__(self, logprobs: torch.Tensor, entropy: torch.Tensor | None, batch: dict[str, torch.Tensor],
                  mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        if self.loss_type == "custom_loss":
+            return self.custom_loss(logprobs, entropy, batch, mask)
         old = batch.get("old_logprobs")
         if old is None:
             old = logprobs.detach()
-        advantages = batch["advantages"]
-        if self.estimator in _PPO_CLIP:
-            per_token, metrics = alg.ppo_policy_loss(logprobs, old, advantages, mask, eps_clip=self.eps_clip,
-                                                     eps_clip_high=self.eps_clip_high, eps_clip_c=self.eps_clip_c)
-        elif self.estimator == "gspo":
-            per_token, metrics = alg.gspo_policy_loss(logprobs, old, advantages, mask, eps_clip=self.eps_clip,
-                                                      eps_clip_high=self.eps_clip_high)
-        elif self.estimator == "sapo":
-            per_token, metrics = alg.sapo_policy_loss(logprobs, old, advantages, mask, tau_pos=self.sapo[0],
-                                                      tau_neg=self.sapo[1])
+        report: dict[str, Any] = {}
+        if self.loss_type == "sft":
+            loss = alg.reduce_loss(alg.sft_loss(logprobs, mask), mask, self.reduction)
+            report["sft_loss"] = loss.detach()
         else:
-            per_token, metrics = alg.cispo_policy_loss(logprobs, old, advantages, mask,
-                                                       eps_clip_high=self.eps_clip_high, eps_clip=self.eps_clip)
-        loss = alg.reduce_loss(per_token, mask, self.reduction)
-        report = {"pg_loss": loss.detach(), **{k: v for k, v in metrics.items()}}
+            per_token, metrics = self._policy_loss(logprobs, old, batch["advantages"], mask)
+            report.update(metrics)
+            pg_mask = mask
+            rollout = batch.get("rollout_logprobs")
+            needs_rollout = self.use_opsm or self.use_tis or self.custom_tis or self.get_mismatch_metrics
+            if needs_rollout and rollout is None:
+                raise ValueError("TIS / OPSM / mismatch metrics need the engine's log-probs (rollout_logprobs)")
+            if self.get_mismatch_metrics:
+                for key, value in alg.mismatch_metrics(old.detach(), rollout, mask).items():
+                    report[f"mismatch_{key}"] = value
+            if self.use_opsm:
+                keep, metrics = alg.opsm_mask(logprobs, rollout, batch["advantages"], mask, delta=self.opsm_delta)
+                per_token = per_token * keep
+                report.update(metrics)
+            if self.custom_tis is not None:
+                per_token, pg_mask, metrics = self.custom_tis(per_token, old.detach(), rollout, pg_mask)
+                report.update({f"tis_{k}" if not k.startswith("tis") else k: v for k, v in (metrics or {}).items()})
+            elif self.use_tis:
+                weights, metrics = alg.tis_weights(old.detach(), rollout, mask, self.tis_clip, self.tis_clip_low)
+                per_token = per_token * weights
+                report.update(metrics)
+            if self.custom_reducer is not None:
+                loss = self.custom_reducer(per_token, pg_mask)
+            else:
+                loss = alg.reduce_loss(per_token, pg_mask, self.reduction)
+            report["pg_loss"] = loss.detach()
         if entropy is not None:
             ent = alg.reduce_loss(entropy, mask, self.reduction)
             report["entropy"] = ent.detach()
             if self.entropy_coef:
                 loss = loss - self.entropy_coef * ent
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"non-finite policy loss ({loss.item()}) in a micro-batch")
+        if self.use_kl_loss:
+            ref = batch.get("ref_logprobs")
+            if ref is None:
+                raise ValueError("--use-kl-loss needs the reference model's log-probs (ref_logprobs)")
+            kl = alg.kl_estimate(logprobs, ref, self.kl_loss_type, mask=mask, unbiased=self.use_unbiased_kl,
+                                 old_logprobs=old)
+            kl_term = alg.reduce_loss(kl, mask, self.reduction)
+            report["kl"] = kl_term.detach()
+            if self.kl_loss_coef:
+                loss = loss + self.kl_loss_coef * kl_term
+        # A non-finite loss is not raised here (one rank raising inside a collective would hang the others):
+        # MegatronTrainer.train_step checks the reduced loss and the gradients on every rank.
         return loss, report

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["MicroBatch", "make_micro_batches", "RESERVED_KEYS"]
+__all__ = ["MicroBatch", "make_micro_batches", "token_budget_groups", "RESERVED_KEYS"]
 
 RESERVED_KEYS = frozenset({"tokens", "response_length"})
 
@@ -117,19 +117,53 @@ def _collate(samples: Sequence[dict[str, Any]], pad_id: int, seq_multiple: int) 
     )
 
 
+def token_budget_groups(lengths: Sequence[int], max_tokens: int, seq_multiple: int = 1) -> list[list[int]]:
+    """Split sample positions, in order, into consecutive groups whose padded size fits `max_tokens`.
+
+    The padded size of a group is `count * longest` (longest rounded up to `seq_multiple`), which is
+    what a right-padded micro-batch costs. A sample longer than the budget gets a group of its own.
+    """
+    if max_tokens < 1:
+        raise ValueError("max_tokens must be >= 1")
+    groups: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        padded = math.ceil(int(n) / seq_multiple) * seq_multiple
+        grown = max(longest, padded)
+        if current and grown * (len(current) + 1) > max_tokens:
+            groups.append(current)
+            current, grown = [], padded
+        current.append(i)
+        longest = grown
+    if current:
+        groups.append(current)
+    return groups
+
+
 def make_micro_batches(
     samples: Sequence[dict[str, Any]],
     micro_batch_size: int,
     *,
     pad_id: int = 0,
     seq_multiple: int = 1,
+    max_tokens: int | None = None,
 ) -> list[MicroBatch]:
     """Split `samples` in order into micro-batches of at most `micro_batch_size`.
+
+    With `max_tokens` (dynamic batch size) micro-batches are instead consecutive runs of samples
+    whose padded size (count x longest) stays within `max_tokens`; `micro_batch_size` is ignored.
 
     Each micro-batch is right-padded to its longest sample, rounded up to a
     multiple of `seq_multiple`. `mask` is 1 on real response tokens (and, when
     the samples carry `loss_mask`, only where it is > 0).
     """
+    if max_tokens is not None:
+        lengths = [int(s["tokens"].numel()) for s in samples]
+        return [
+            _collate([samples[i] for i in group], pad_id, seq_multiple)
+            for group in token_budget_groups(lengths, max_tokens, seq_multiple)
+        ]
     if micro_batch_size < 1:
         raise ValueError("micro_batch_size must be >= 1")
     return [

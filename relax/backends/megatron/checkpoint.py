@@ -32,6 +32,9 @@ __all__ = [
     "set_rng_state",
     "optimizer_state",
     "set_optimizer_state",
+    "load_model_state",
+    "is_relax_checkpoint",
+    "resolve_model_checkpoint",
 ]
 
 _FORMAT = 1
@@ -128,7 +131,8 @@ def save_checkpoint(
     layout: ParallelLayout,
     extra_meta: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a checkpoint to `path` (collective over all ranks)."""
+    """Write a checkpoint to `path` (collective over all ranks); `optimizer`/`scheduler` may be None
+    (a forward-only model)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     rank = dist.get_rank()
@@ -141,12 +145,12 @@ def save_checkpoint(
     torch.save(
         {
             "model": unwrap_model(model).state_dict(),
-            "optimizer": optimizer_state(optimizer),
+            "optimizer": optimizer_state(optimizer) if optimizer is not None else None,
             "rng": rng_state(),
         },
         tmp / f"rank{rank:05d}.pt",
     )
-    if rank == 0:
+    if rank == 0 and scheduler is not None:
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     dist.barrier()
     if rank == 0:
@@ -181,10 +185,58 @@ def load_checkpoint(path: str | Path, *, model, optimizer, scheduler, layout: Pa
     rank = dist.get_rank()
     state = torch.load(path / f"rank{rank:05d}.pt", map_location="cpu", weights_only=False)
     unwrap_model(model).load_state_dict(state["model"], strict=True)
-    set_optimizer_state(optimizer, state["optimizer"])
-    # Megatron's scheduler adds the saved step count to its current one.
-    scheduler.num_steps = 0
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", map_location="cpu", weights_only=False))
+    if optimizer is not None:
+        if state.get("optimizer") is None:
+            raise ValueError(f"{path} holds no optimizer state (a forward-only model); load it with load_model_state")
+        set_optimizer_state(optimizer, state["optimizer"])
+    if scheduler is not None:
+        # Megatron's scheduler adds the saved step count to its current one.
+        scheduler.num_steps = 0
+        scheduler.load_state_dict(torch.load(path / "scheduler.pt", map_location="cpu", weights_only=False))
     set_rng_state(state["rng"])
     dist.barrier()
+    return int(meta["iteration"])
+
+
+def is_relax_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / "meta.json").is_file() and (Path(path) / "rank00000.pt").is_file()
+
+
+def resolve_model_checkpoint(path: str | Path, step: Optional[int] = None, role: str = "actor") -> tuple[str, Path]:
+    """Where a model's weights are: ("relax", dir written by save_checkpoint) or ("hf", HF folder).
+
+    Accepts a checkpoint dir itself, a Relax save root (`latest_checkpointed_iteration.txt`,
+    `iter_XXXXXXX/<role>`; `step` picks an iteration, default the latest), one `iter_XXXXXXX` dir, or an
+    HF model folder (`config.json`).
+    """
+    p = Path(path)
+    if is_relax_checkpoint(p):
+        return "relax", p
+    marker = p / "latest_checkpointed_iteration.txt"
+    if step is not None or marker.is_file():
+        it = step if step is not None else int(marker.read_text().strip())
+        candidate = p / f"iter_{it:07d}" / role
+        if is_relax_checkpoint(candidate):
+            return "relax", candidate
+        raise FileNotFoundError(f"{p}: no {role} checkpoint for iteration {it} ({candidate} is missing)")
+    if is_relax_checkpoint(p / role):
+        return "relax", p / role
+    if (p / "config.json").is_file():
+        return "hf", p
+    raise FileNotFoundError(f"{p} is neither a Relax checkpoint (meta.json), a save root "
+                            "(latest_checkpointed_iteration.txt) nor a Hugging Face model folder (config.json)")
+
+
+@torch.no_grad()
+def load_model_state(path: str | Path, *, model, layout: ParallelLayout) -> int:
+    """Load only the model weights of a checkpoint written by `save_checkpoint` (same layout)."""
+    path = Path(path)
+    meta = json.loads((path / "meta.json").read_text())
+    if meta.get("format") != _FORMAT:
+        raise ValueError(f"unknown checkpoint format {meta.get('format')}")
+    if meta["layout"] != _layout_key(layout):
+        raise ValueError(f"checkpoint layout {meta['layout']} != current {_layout_key(layout)}; "
+                         "a model checkpoint loads only into the parallel layout that wrote it")
+    state = torch.load(path / f"rank{dist.get_rank():05d}.pt", map_location="cpu", weights_only=False)
+    unwrap_model(model).load_state_dict(state["model"], strict=True)
     return int(meta["iteration"])

@@ -9,6 +9,7 @@ own samples.
 
 from __future__ import annotations
 
+import re
 import socket
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -20,7 +21,12 @@ import torch.distributed as dist
 
 from relax.backends.megatron.arch import ModelArch, to_transformer_config
 from relax.backends.megatron.batching import MicroBatch, make_micro_batches
-from relax.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
+from relax.backends.megatron.checkpoint import (
+    load_checkpoint,
+    load_model_state,
+    resolve_model_checkpoint,
+    save_checkpoint,
+)
 from relax.backends.megatron.cpu_compat import apply_cpu_compat, compute_device
 from relax.backends.megatron.hf_weights import (
     export_hf_weights,
@@ -66,6 +72,31 @@ class TrainerSettings:
     recompute_activations: bool = False
     use_te: Optional[bool] = None
     pad_token_id: int = 0
+    # Forward-only (reference / teacher): no DDP grad buffers, optimizer or scheduler.
+    forward_only: bool = False
+    # Parameter selection by regex (re.search) on Megatron parameter names; exclusive.
+    trainable_params: tuple[str, ...] = ()
+    frozen_params: tuple[str, ...] = ()
+    # Dynamic batch size: micro-batches by a padded-token budget instead of micro_batch_size.
+    max_tokens_per_micro_batch: Optional[int] = None
+    logprob_max_tokens_per_micro_batch: Optional[int] = None
+
+
+def select_frozen(names: Sequence[str], trainable: Sequence[str], frozen: Sequence[str]) -> set[str]:
+    """Names of the parameters to freeze: those not matching any `trainable` regex (when given), plus
+    those matching a `frozen` regex. Raises if a pattern matches nothing or nothing is left to train."""
+    if trainable and frozen:
+        raise ValueError("give trainable or frozen parameter patterns, not both")
+    for pattern in (*trainable, *frozen):
+        if not any(re.search(pattern, n) for n in names):
+            raise ValueError(f"parameter pattern {pattern!r} matches no parameter; names look like {names[0]!r}")
+    if trainable:
+        out = {n for n in names if not any(re.search(p, n) for p in trainable)}
+    else:
+        out = {n for n in names if any(re.search(p, n) for p in frozen)}
+    if len(out) == len(names):
+        raise ValueError("the parameter patterns freeze every parameter; nothing is left to train")
+    return out
 
 
 class LossFn(Protocol):
@@ -137,10 +168,26 @@ class MegatronTrainer:
             use_cpu_initialization=compute_device().type == "cpu",
         )
         gpt = build_gpt_model(arch, self.config, settings.use_te)
+        self.frozen_names: set[str] = set()
+        if settings.forward_only:
+            for param in gpt.parameters():
+                param.requires_grad_(False)
+        elif settings.trainable_params or settings.frozen_params:
+            named = dict(gpt.named_parameters())
+            self.frozen_names = select_frozen(list(named), settings.trainable_params, settings.frozen_params)
+            for name in self.frozen_names:
+                named[name].requires_grad_(False)
         if settings.bf16 or settings.fp16:
             from megatron.core.transformer.module import Float16Module
 
             gpt = Float16Module(self.config, gpt)  # norms too; logits come out in fp32
+        self._device = compute_device()
+        self.iteration = 0
+        if settings.forward_only:
+            self.model = gpt
+            self.optimizer = None
+            self.scheduler = None
+            return
         self.model = wrap_ddp(
             gpt, self.config, use_distributed_optimizer=settings.use_distributed_optimizer
         )
@@ -171,8 +218,6 @@ class MegatronTrainer:
         # Megatron's scheduler gives step 0 the warm-up's initial lr; start at step 1
         # so that the first update already uses lr_init + (lr - lr_init) / warmup.
         self.scheduler.step(increment=1)
-        self.iteration = 0
-        self._device = compute_device()
 
     # ------------------------------------------------------------------ #
     # Weights                                                             #
@@ -182,13 +227,52 @@ class MegatronTrainer:
         """Load an HF model folder (safetensors) into this rank's shard."""
         apply_cpu_compat()
         load_hf_weights(self.model, self.arch, load_hf_checkpoint_dir(path))
-        self.optimizer.reload_model_params()
+        self._reload_main_params()
 
     def load_hf_state_dict(self, state_dict) -> None:
         """Load HF-named tensors (a mapping) into this rank's shard."""
         apply_cpu_compat()
         load_hf_weights(self.model, self.arch, state_dict)
-        self.optimizer.reload_model_params()
+        self._reload_main_params()
+
+    def _reload_main_params(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()
+
+    def load_weights(self, path: str | Path, step: Optional[int] = None) -> str:
+        """Load model weights only, from a Relax checkpoint (dir, save root or iter dir; same parallel
+        layout) or an HF folder. Returns "relax" or "hf"."""
+        apply_cpu_compat()
+        kind, where = resolve_model_checkpoint(path, step)
+        if kind == "hf":
+            self.load_hf(where)
+        else:
+            load_model_state(where, model=self.model, layout=self.layout)
+            self._reload_main_params()
+        return kind
+
+    def model_state(self) -> dict[str, Any]:
+        """This rank's model shard (CPU tensors), for `set_model_state` of a peer with the same layout."""
+        state = unwrap_model(self.model).state_dict()
+        return {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+
+    @torch.no_grad()
+    def set_model_state(self, state: dict[str, Any]) -> None:
+        unwrap_model(self.model).load_state_dict(state, strict=True)
+        self._reload_main_params()
+
+    def reset_optimizer_states(self) -> None:
+        """Zero the optimizer's moment estimates and step counts (parameters are kept)."""
+        from relax.backends.megatron.checkpoint import _sub_optimizers
+
+        for sub in _sub_optimizers(self.optimizer):
+            inner = getattr(sub, "optimizer", None)
+            if inner is None:
+                continue
+            for state in inner.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        value.zero_()
 
     def export_hf_weights(self, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) for this pipeline stage; collective over TP (iterate fully)."""
@@ -225,7 +309,7 @@ class MegatronTrainer:
                 "ranks of one model replica (same data-parallel rank) got different samples"
             )
 
-    def _micro_batches(self, samples: Sequence[dict[str, Any]]) -> list[MicroBatch]:
+    def _micro_batches(self, samples: Sequence[dict[str, Any]], max_tokens: Optional[int] = None) -> list[MicroBatch]:
         if not samples:
             raise ValueError("every rank needs at least one sample")
         self._check_same_samples_in_replica(samples)
@@ -237,6 +321,7 @@ class MegatronTrainer:
                 self.settings.micro_batch_size,
                 pad_id=self.settings.pad_token_id,
                 seq_multiple=multiple,
+                max_tokens=max_tokens,
             )
         ]
 
@@ -275,7 +360,7 @@ class MegatronTrainer:
             model=[self.model],
             num_microbatches=len(micro_batches),
             seq_length=max(mb.seq_length for mb in micro_batches),
-            micro_batch_size=self.settings.micro_batch_size,
+            micro_batch_size=max(mb.size for mb in micro_batches),
             forward_only=forward_only,
         )
 
@@ -298,7 +383,8 @@ class MegatronTrainer:
     ) -> list[torch.Tensor]:
         """Log-probs (float32, CPU) of each sample's response tokens under the current weights."""
         apply_cpu_compat()
-        micro_batches = self._micro_batches(samples)
+        budget = self.settings.logprob_max_tokens_per_micro_batch or self.settings.max_tokens_per_micro_batch
+        micro_batches = self._micro_batches(samples, budget)
 
         def step(mb: MicroBatch, logits: torch.Tensor):
             logprobs, _ = self._response_logprobs(logits, mb, temperature, with_entropy=False)
@@ -308,7 +394,8 @@ class MegatronTrainer:
         try:
             outputs = self._run(micro_batches, step, forward_only=True)
         finally:
-            self.model.train()
+            if not self.settings.forward_only:
+                self.model.train()
         result: Optional[list[torch.Tensor]] = None
         if self.layout.is_last_stage:
             result = []
@@ -331,13 +418,25 @@ class MegatronTrainer:
         update; update k of a warm-up uses lr_init + (lr - lr_init) * k / warmup), `skipped`
         (1.0 when fp16 overflow skipped the update), `loss_scale`, plus the
         means of what `loss_fn` returns.
+
+        Micro-batches: fixed `micro_batch_size`, or with `max_tokens_per_micro_batch` (dynamic batch
+        size) runs of samples within a padded-token budget. With dynamic batching, micro-batch losses
+        are weighted by their share of the step's samples (or masked tokens when
+        `loss_fn.loss_weighting == "tokens"`), so the objective does not depend on how the samples
+        were packed (a per-sample- or per-token-mean loss then equals the one-micro-batch loss).
+
+        A non-finite loss or gradient raises `FloatingPointError` on every rank, before the
+        optimizer step (the weights are unchanged).
         """
         from megatron.core import parallel_state as ps
 
         apply_cpu_compat()
+        if self.optimizer is None:
+            raise RuntimeError("this MegatronTrainer is forward-only")
         if with_entropy is None:
             with_entropy = bool(getattr(loss_fn, "needs_entropy", False))
-        micro_batches = self._micro_batches(samples)
+        dynamic = self.settings.max_tokens_per_micro_batch is not None
+        micro_batches = self._micro_batches(samples, self.settings.max_tokens_per_micro_batch)
         # Objective = mean of micro-batch losses over all DP ranks, even if ranks
         # hold different numbers of micro-batches (schedule divides by the local
         # count, DDP by the DP size).
@@ -345,6 +444,14 @@ class MegatronTrainer:
         counts = torch.tensor([float(len(micro_batches))], device=self._device)
         dist.all_reduce(counts, group=dp_group)
         scale = len(micro_batches) * self.layout.dp / counts.item()
+        weights = None
+        if dynamic:
+            by_tokens = getattr(loss_fn, "loss_weighting", "samples") == "tokens"
+            local = [float(mb.mask.sum()) if by_tokens else float(mb.size) for mb in micro_batches]
+            total = torch.tensor([sum(local)], dtype=torch.float64, device=self._device)
+            dist.all_reduce(total, group=dp_group)
+            weights = {id(mb): w * len(micro_batches) * self.layout.dp / max(total.item(), 1e-12)
+                       for mb, w in zip(micro_batches, local)}
 
         def step(mb: MicroBatch, logits: torch.Tensor):
             logprobs, entropy = self._response_logprobs(logits, mb, temperature, with_entropy)
@@ -352,18 +459,19 @@ class MegatronTrainer:
             report = {"loss": loss.detach().float()}
             for key, value in metrics.items():
                 report[key] = torch.as_tensor(value, dtype=torch.float32).detach().to(self._device)
-            return loss * scale, report
+            return loss * (weights[id(mb)] if weights is not None else scale), report
 
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self._run(micro_batches, step, forward_only=False)
+        metrics = self._reduce_metrics(outputs, dp_group, counts.item())
+        self._check_finite(metrics)
         lr = float(self.optimizer.param_groups[0]["lr"])
         success, grad_norm, _ = self.optimizer.step()
         if success:
             self.scheduler.step(increment=1)
             self.iteration += 1
-        metrics = self._reduce_metrics(outputs, dp_group, counts.item())
         metrics.update(
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             lr=lr,
@@ -371,6 +479,26 @@ class MegatronTrainer:
             loss_scale=float(self.optimizer.get_loss_scale().item()),
         )
         return metrics
+
+    def _check_finite(self, metrics: dict[str, float]) -> None:
+        """Raise (on every rank) if the loss or any gradient is NaN/Inf; grads are then zeroed."""
+        bad_grad = torch.zeros(1, device=self._device)
+        if not (self.settings.fp16):  # fp16 overflow is the loss scaler's job (skipped update)
+            for param in self.model.parameters():
+                grad = getattr(param, "main_grad", None)
+                if grad is None:
+                    grad = param.grad
+                if grad is not None and not bool(torch.isfinite(grad).all()):
+                    bad_grad.fill_(1.0)
+                    break
+            dist.all_reduce(bad_grad, op=dist.ReduceOp.MAX)
+        loss = metrics.get("loss", 0.0)
+        if bad_grad.item() > 0 or loss != loss or loss in (float("inf"), float("-inf")):
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            what = f"train/loss is {loss}" if loss != loss or abs(loss) == float("inf") else \
+                f"train/grad_norm is not finite (a gradient holds NaN/Inf; train/loss is {loss})"
+            raise FloatingPointError(f"{what}; the update was not applied")
 
     def _reduce_metrics(self, outputs: list[dict], dp_group, global_count: float) -> dict[str, float]:
         """Mean over all micro-batches of all DP ranks (computed on the last stage)."""
@@ -402,6 +530,9 @@ class MegatronTrainer:
     def load_checkpoint(self, path: str | Path) -> int:
         """Restore state written by `save_checkpoint`; returns the iteration."""
         apply_cpu_compat()
+        if self.optimizer is None:
+            self.iteration = load_model_state(path, model=self.model, layout=self.layout)
+            return self.iteration
         self.iteration = load_checkpoint(
             path,
             model=self.model,

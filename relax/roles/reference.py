@@ -1,0 +1,95 @@
+"""Reference role: a forward-only Megatron model per rank (same parallel layout as the actor) that computes the
+reference log-probs of a step's samples, read from the data plane.
+
+Weights: `--ref-load` (a Relax checkpoint written by `MegatronTrainer.save_checkpoint`, a save root, or an HF
+folder; `--ref-ckpt-step` picks the iteration of a save root) if given, else `--hf-checkpoint`. With
+`--ref-update-interval N` the actor ranks copy their weights into their reference peers every N steps.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+import ray
+
+
+@ray.remote
+class ReferenceWorker:
+    """One rank of the reference group. All ranks are called together for collectives."""
+
+    def __init__(self, config: Any, rank: int, world_size: int, threads: int = 1):
+        import torch
+
+        torch.set_num_threads(max(1, threads))
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.trainer = None
+        self.data = None
+
+    def master_address(self) -> tuple[str, int]:
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return host, sock.getsockname()[1]
+
+    def setup(self, master_addr: str, master_port: int, backend: str) -> dict[str, Any]:
+        from transformers import AutoConfig
+
+        from relax.backends.megatron.arch import ModelArch
+        from relax.backends.megatron.cpu_compat import apply_cpu_compat
+        from relax.backends.megatron.parallel import init_distributed
+        from relax.backends.megatron.trainer import MegatronTrainer
+        from relax.data.plane import DataPlane
+        from relax.roles.trainer import trainer_settings
+
+        apply_cpu_compat()
+        init_distributed(self.rank, self.world_size, master_addr, master_port, backend=backend,
+                         timeout_minutes=self.config.distributed_timeout_minutes)
+        arch = ModelArch.from_hf_config(AutoConfig.from_pretrained(self.config.hf_checkpoint))
+        self.trainer = MegatronTrainer(arch, trainer_settings(self.config, forward_only=True))
+        source = "hf"
+        self.trainer.load_hf(self.config.hf_checkpoint)
+        if self.config.ref_load:
+            source = self.trainer.load_weights(self.config.ref_load, self.config.ref_ckpt_step)
+        self.data = DataPlane.attach()
+        return {"rank": self.rank, "dp": self.trainer.layout.dp, "source": source}
+
+    def compute(self, step: int) -> dict[str, Any]:
+        """Reference log-probs of this data-parallel rank's share (samples[dp_rank::dp]) of step `step`."""
+        import torch
+
+        t0 = time.perf_counter()
+        samples = self.data.get(step)
+        layout = self.trainer.layout
+        positions = list(range(len(samples)))[layout.dp_rank::layout.dp]
+        inputs = [{"tokens": torch.tensor(samples[i].prompt_tokens + samples[i].response_tokens, dtype=torch.long),
+                   "response_length": len(samples[i].response_tokens)} for i in positions]
+        logprobs = self.trainer.compute_logprobs(inputs, self.config.rollout_temperature) if inputs else []
+        return {"num_samples": len(samples), "index": [s.index for s in samples], "positions": positions,
+                "logprobs": [lp.tolist() for lp in logprobs], "seconds": time.perf_counter() - t0}
+
+    def set_model_state(self, state: dict[str, Any]) -> None:
+        self.trainer.set_model_state(state)
+
+    def save(self, path: str) -> str:
+        return str(self.trainer.save_checkpoint(path))
+
+    def load(self, path: str) -> int:
+        return self.trainer.load_checkpoint(path)
+
+    def weights_checksum(self) -> float:
+        import torch
+
+        with torch.no_grad():
+            return float(sum(p.double().abs().sum() for p in self.trainer.gpt_model.parameters()))
+
+    def shutdown(self) -> None:
+        from relax.backends.megatron.parallel import destroy
+
+        try:
+            destroy()
+        except Exception:  # best effort at exit
+            pass

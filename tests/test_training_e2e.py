@@ -1,0 +1,101 @@
+"""End to end through the controller with a reference role: real Ray, Megatron-core over gloo (2 data-parallel
+ranks for actor and reference), 2 embedded engines, TransferQueue.
+
+1. GRPO + KL loss (low_var_kl) + TIS + --ref-update-interval 2 over 3 steps: the KL is 0 while the reference
+   equals the actor (step 0), positive once the actor moved (step 1), and 0 again after the refresh (step 2).
+2. REINFORCE++-baseline with --kl-coef reward shaping, dynamic batch size, and --ref-load from run 1's
+   checkpoint (actor and reference both start from it).
+"""
+
+import json
+
+import pytest
+import ray
+
+from relax.config import parse_config
+from relax.core.controller import Controller
+from relax.models.tasks import generate_task_dataset
+from relax.models.tiny import TinyArch, build_tiny_model_dir
+
+STATE: dict = {}
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    base = tmp_path_factory.mktemp("e2e_ref")
+    model = build_tiny_model_dir(base / "model", TinyArch(family="qwen2"), seed=0)
+    data = generate_task_dataset(base / "train.jsonl", 40, seed=0, task="add_mod10")
+    return base, str(model), str(data)
+
+
+def _argv(model, data, out, *extra):
+    return ["--hf-checkpoint", model, "--prompt-data", data, "--apply-chat-template", "--input-key", "input",
+            "--label-key", "label", "--rm-type", "random", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
+            "--rollout-max-response-len", "4", "--micro-batch-size", "4", "--lr", "1e-2",
+            "--resource", '{"actor": [1, 2], "rollout": [1, 2]}', "--num-data-storage-units", "1",
+            "--output-dir", str(out), "--distributed-backend", "gloo", *extra]
+
+
+def _records(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_grpo_kl_loss_with_reference_refresh(assets):
+    base, model, data = assets
+    out = base / "run1"
+    config = parse_config(_argv(model, data, out, "--num-rollout", "3", "--use-kl-loss", "--kl-loss-coef", "0.05",
+                                "--kl-loss-type", "low_var_kl", "--ref-update-interval", "2", "--use-tis",
+                                "--save-interval", "3"))
+    controller = Controller(config)
+    try:
+        controller.start()
+        ref = controller.aux.reference
+        assert len(ref.workers) == 2
+        start = ray.get(controller.workers[0].weights_checksum.remote())
+        assert ray.get(ref.workers[0].weights_checksum.remote()) == pytest.approx(start, rel=1e-9)
+        controller.run()
+        STATE["actor_checksum"] = ray.get(controller.workers[0].weights_checksum.remote())
+        assert STATE["actor_checksum"] != start
+    finally:
+        controller.shutdown()
+    records = _records(out)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    kl = [r["train/kl"] for r in records]
+    for r in records:
+        assert abs(r["train/loss"]) < 1e3 and r["train/grad_norm"] > 0
+        assert "train/tis_weight_mean" in r and "perf/ref_logprob_time" in r
+    assert abs(kl[0]) < 1e-6 and abs(kl[2]) < 1e-6, kl  # reference == actor at the start of steps 0 and 2
+    assert kl[1] > 1e-5, kl  # the actor moved away from the (not yet refreshed) reference
+    assert records[1]["perf/ref_update_time"] >= 0 and "perf/ref_update_time" not in records[0]
+    ckpt = out / "checkpoints" / "iter_0000003"
+    assert (ckpt / "reference" / "meta.json").is_file()
+    STATE["ckpt_root"] = str(out / "checkpoints")
+
+
+def test_reinforce_plus_plus_baseline_kl_reward_from_ref_load(assets):
+    if "ckpt_root" not in STATE:
+        pytest.skip("needs the checkpoint of test_grpo_kl_loss_with_reference_refresh")
+    base, model, data = assets
+    out = base / "run2"
+    config = parse_config(_argv(model, data, out, "--num-rollout", "2", "--advantage-estimator",
+                                "reinforce_plus_plus_baseline", "--normalize-advantages", "--kl-coef", "0.1",
+                                "--kl-loss-type", "k3", "--ref-load", STATE["ckpt_root"],
+                                "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64"))
+    controller = Controller(config)
+    try:
+        controller.start()
+        start = ray.get(controller.workers[0].weights_checksum.remote())
+        assert start == pytest.approx(STATE["actor_checksum"], rel=1e-9)  # the actor starts from --ref-load
+        ref_sum = ray.get(controller.aux.reference.workers[0].weights_checksum.remote())
+        assert ref_sum == pytest.approx(STATE["actor_checksum"], rel=1e-9)
+        controller.run()
+        assert ray.get(controller.workers[0].weights_checksum.remote()) != start
+        assert ray.get(controller.aux.reference.workers[0].weights_checksum.remote()) == ref_sum
+    finally:
+        controller.shutdown()
+    records = _records(out)
+    assert [r["step"] for r in records] == [0, 1]
+    for r in records:
+        assert abs(r["train/loss"]) < 1e3 and r["train/grad_norm"] > 0
+    assert abs(records[0]["train/kl"]) < 1e-6 and records[1]["train/kl"] > 1e-6, [r["train/kl"] for r in records]
+    assert not ray.is_initialized()
