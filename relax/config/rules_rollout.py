@@ -1,4 +1,46 @@
 """Cross-flag rules of rollout features: functions (values, explicit) -> None raising ConfigError.
 validate.py runs every function listed in RULES after its own rules."""
 
-RULES: tuple = ()
+from relax.config.errors import ConfigError
+
+
+def check_eval(v: dict, explicit) -> None:
+    has_sets = bool(v.get("eval_prompt_data") or v.get("eval_config"))
+    if v.get("eval_prompt_data") and v.get("eval_config"):
+        raise ConfigError("--eval-prompt-data and --eval-config are exclusive; list the sets in one of them")
+    if has_sets and not v.get("eval_interval"):
+        raise ConfigError("--eval-prompt-data/--eval-config need --eval-interval N (evaluate every N rollout "
+                          "steps); without it no evaluation runs")
+    if v.get("eval_interval") and not has_sets:
+        raise ConfigError("--eval-interval needs --eval-prompt-data NAME PATH [...] or --eval-config FILE")
+    if has_sets:
+        from relax.rollout.evaluation import eval_sets
+
+        eval_sets(v)  # files exist, keys are known (errors name the flag or file and key)
+
+
+def check_debug(v: dict, explicit) -> None:
+    if v.get("load_debug_rollout_data_subsample") is not None and not v.get("load_debug_rollout_data"):
+        raise ConfigError("--load-debug-rollout-data-subsample has no effect without --load-debug-rollout-data")
+    if v.get("debug_train_only") and not v.get("load_debug_rollout_data"):
+        raise ConfigError("--debug-train-only trains on saved rollouts: add --load-debug-rollout-data PATH "
+                          "(saved earlier with --save-debug-rollout-data)")
+    for dest, flag in (("save_debug_rollout_data", "--save-debug-rollout-data"),
+                       ("load_debug_rollout_data", "--load-debug-rollout-data")):
+        path = v.get(dest)
+        if path and "{rollout_id}" not in path and (v.get("num_rollout") or 0) > 1 and dest.startswith("save"):
+            raise ConfigError(f"{flag} {path}: with more than one rollout step every step would overwrite the "
+                              "same file; put {rollout_id} in the path")
+    if v.get("load_debug_rollout_data") and v.get("eval_interval"):
+        raise ConfigError("--load-debug-rollout-data runs without engines, so it cannot evaluate; drop "
+                          "--eval-interval")
+
+
+def check_filters(v: dict, explicit) -> None:
+    path = v.get("dynamic_sampling_filter_path") or ""
+    if path.endswith("check_reward_nonzero_std") and v.get("n_samples_per_prompt", 1) < 2:
+        raise ConfigError("--dynamic-sampling-filter-path check_reward_nonzero_std drops every group when "
+                          "--n-samples-per-prompt is 1 (a single reward has no spread); use n >= 2")
+
+
+RULES: tuple = (check_eval, check_debug, check_filters)

@@ -1,4 +1,22 @@
 """Rollout-side flags whose features are built (see relax.config.support). Add a dest only with its
 code and test."""
 
-ROLLOUT_FEATURES: frozenset[str] = frozenset()
+ROLLOUT_FEATURES: frozenset[str] = frozenset({
+    # hooks with real default implementations (relax.engine.rollout.*)
+    "data_source_path", "rollout_function_path",
+    # over-sampling and filtering
+    "over_sampling_batch_size", "dynamic_sampling_filter_path", "buffer_filter_path",
+    # evaluation
+    "eval_interval", "eval_prompt_data", "eval_config", "skip_eval_before_train", "eval_input_key",
+    "eval_label_key", "eval_tool_key", "n_samples_per_eval_prompt", "eval_temperature", "eval_top_p",
+    "eval_top_k", "eval_max_response_len", "eval_max_prompt_len", "eval_min_new_tokens", "eval_max_context_len",
+    "eval_reward_key", "log_passrate",
+    # debug modes
+    "save_debug_rollout_data", "load_debug_rollout_data", "load_debug_rollout_data_subsample",
+    "debug_rollout_only", "debug_train_only",
+    # custom functions
+    "custom_generate_function_path", "rollout_data_postprocess_path", "custom_rollout_log_function_path",
+    "custom_eval_rollout_log_function_path",
+    # partial rollout
+    "partial_rollout", "mask_offpolicy_in_partial_rollout",
+})

@@ -7,7 +7,6 @@ autoscaler or a health manager can change the set without a restart.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import statistics
@@ -34,27 +33,58 @@ def engine_server_args(config: Any, backend: str) -> dict[str, Any]:
     return args
 
 
+def _group(samples: list[Any]) -> list[list[Any]]:
+    groups: dict[int, list[Any]] = {}
+    for s in samples:
+        groups.setdefault(s.group_index, []).append(s)
+    return list(groups.values())
+
+
+def step_metrics(samples: list[Any], gen_time: float) -> dict[str, float]:
+    rewards = [float(s.reward) for s in samples]
+    lengths = [len(s.response_tokens) for s in samples]
+    return {
+        "rollout/reward_mean": statistics.fmean(rewards),
+        "rollout/reward_std": statistics.pstdev(rewards),
+        "rollout/response_len_mean": statistics.fmean(lengths),
+        "rollout/truncated_fraction": sum(s.status == "truncated" for s in samples) / len(samples),
+        "rollout/num_samples": float(len(samples)),
+        "rollout/num_groups": float(len({s.group_index for s in samples})),
+        "rollout/tokens": float(sum(lengths)),
+        "rollout/loss_tokens": float(sum(sum(s.loss_mask) if s.loss_mask else len(s.response_tokens)
+                                         for s in samples)),
+        "perf/rollout_generate_time": gen_time,
+        "perf/rollout_tokens_per_s": sum(lengths) / gen_time if gen_time > 0 else 0.0,
+    }
+
+
 @ray.remote
 class RolloutManager:
     def __init__(self, config: Any):
         from transformers import AutoTokenizer
 
         from relax.data.plane import DataPlane
-        from relax.rollout.data_source import PromptDataSource
+        from relax.rollout.buffer import build_data_source
+        from relax.rollout.context import load_hook
         from relax.rollout.prompts import PromptEncoder
         from relax.rollout.rewards import RewardRunner
 
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.hf_checkpoint)
         self.encoder = PromptEncoder.from_args(config, self.tokenizer)
-        self.source = PromptDataSource.from_args(config, prompt_encoder=self.encoder)
+        # replaying saved rollouts needs no prompts
+        self.source = None if config.load_debug_rollout_data else build_data_source(config, self.encoder)
         self.rewards = RewardRunner.from_args(config)
+        self.rollout_fn = load_hook(config.rollout_function_path, "--rollout-function-path")
+        self.postprocess = load_hook(config.rollout_data_postprocess_path, "--rollout-data-postprocess-path")
+        self.log_fn = load_hook(config.custom_rollout_log_function_path, "--custom-rollout-log-function-path")
+        self.eval_log_fn = load_hook(config.custom_eval_rollout_log_function_path,
+                                     "--custom-eval-rollout-log-function-path")
         self.data = DataPlane.attach()
         self.engines: list[Any] = []
         self.engine_urls: list[str] = []
         self.router = None
         self.next_index = 0
-        self.next_group = 0
 
     # ------------------------------------------------------------------ engines and router
     def start_engines(self, placement_group=None, bundle_offset: int = 0) -> list[str]:
@@ -103,62 +133,114 @@ class RolloutManager:
         return self.router.url
 
     # ------------------------------------------------------------------ one step
-    def generate(self, step: int) -> dict[str, float]:
-        from tqdm import tqdm
+    def _context(self, progress: Any = None) -> Any:
+        from relax.rollout.context import RolloutContext
 
-        from relax.data.sample import Sample
-        from relax.rollout.generate import SamplingSettings, generate_samples
+        return RolloutContext(args=self.config, tokenizer=self.tokenizer, data_source=self.source,
+                              rewards=self.rewards, router_url=self.router.url if self.router else None,
+                              engine_urls=list(self.engine_urls), progress=progress)
+
+    def generate(self, step: int) -> dict[str, float]:
+        """Produce step `step`'s samples (or replay saved ones) and write them into the data plane."""
+        from relax.rollout.debug_data import load_rollout_data, save_rollout_data
 
         c = self.config
         t0 = time.perf_counter()
-        n = c.n_samples_per_prompt
-        samples: list[Sample] = []
-        while len(samples) < c.rollout_batch_size * n:
-            for record in self.source.get_batch(c.rollout_batch_size - len(samples) // n):
-                tokens = self.encoder.encode_or_none(record.prompt)
-                if tokens is None:
-                    continue  # counted by the encoder as a filtered long prompt
-                group = self.next_group
-                self.next_group += 1
-                for _ in range(n):
-                    samples.append(Sample(index=self.next_index, group_index=group, prompt=record.prompt,
-                                          prompt_tokens=tokens, label=record.label, metadata=dict(record.metadata),
-                                          rollout_step=step))
+        extra: dict[str, float] = {}
+        if c.load_debug_rollout_data:
+            samples = load_rollout_data(c.load_debug_rollout_data, step, c.load_debug_rollout_data_subsample,
+                                        seed=c.rollout_seed)
+            if not samples:
+                raise RuntimeError(f"--load-debug-rollout-data: step {step} holds no samples")
+            groups = _group(samples)
+        else:
+            groups, extra = self._rollout(step)
+            samples = []
+            for g in groups:
+                for s in g:
+                    s.index = self.next_index
+                    s.rollout_step = step
                     self.next_index += 1
-        bar = tqdm(total=len(samples), desc=f"rollout {step}", leave=False, mininterval=2.0,
-                   disable=not os.environ.get("RELAX_PROGRESS", "1") == "1")
-        samples = asyncio.run(generate_samples(self.router.url, samples, SamplingSettings.from_config(c),
-                                               progress=bar))
-        bar.close()
+                    samples.append(s)
         gen_time = time.perf_counter() - t0
-        result = self.rewards.score(samples, group_size=n, assign=True)
+        if self.postprocess is not None:
+            out = self.postprocess(c, samples)
+            if out is not None:
+                samples = list(out)
+            for s in samples:
+                s.validate()
+            groups = _group(samples)
+        if c.save_debug_rollout_data:
+            save_rollout_data(c.save_debug_rollout_data, step, samples)
         self.data.put(step, samples)
-        rewards = [s.reward for s in samples]
-        lengths = [len(s.response_tokens) for s in samples]
-        total = time.perf_counter() - t0
-        return {
-            "rollout/reward_mean": statistics.fmean(rewards),
-            "rollout/reward_std": statistics.pstdev(rewards),
-            "rollout/response_len_mean": statistics.fmean(lengths),
-            "rollout/truncated_fraction": sum(s.status == "truncated" for s in samples) / len(samples),
-            "rollout/reward_errors": float(result.num_errors),
-            "rollout/num_samples": float(len(samples)),
-            "rollout/tokens": float(sum(lengths)),
-            "perf/rollout_generate_time": gen_time,
-            "perf/rollout_tokens_per_s": sum(lengths) / gen_time if gen_time > 0 else 0.0,
-        }
+        metrics = step_metrics(samples, gen_time)
+        metrics.update(extra)
+        if c.log_passrate:
+            from relax.rollout.evaluation import passrate_metrics
+
+            metrics.update(passrate_metrics(groups, "rollout/"))
+        if self.source is not None and hasattr(self.source, "stats"):
+            stats = self.source.stats()
+            for key in ("buffered_groups", "filtered_long_prompts"):
+                if key in stats:
+                    metrics[f"rollout/{key}"] = float(stats[key])
+        if self.log_fn is not None:
+            metrics.update(self.log_fn(c, step, samples, dict(metrics)) or {})
+        metrics["perf/rollout_total_time"] = time.perf_counter() - t0
+        return metrics
+
+    def _rollout(self, step: int) -> tuple[list[list[Any]], dict[str, float]]:
+        from tqdm import tqdm
+
+        from relax.data.sample import Sample
+        from relax.rollout.context import RolloutOutput
+
+        c = self.config
+        if self.router is None:
+            raise RuntimeError("rollout engines are not started (start_engines) and no "
+                               "--load-debug-rollout-data was given")
+        bar = tqdm(total=c.rollout_batch_size * c.n_samples_per_prompt, desc=f"rollout {step}", leave=False,
+                   mininterval=2.0, disable=not os.environ.get("RELAX_PROGRESS", "1") == "1")
+        try:
+            out = self.rollout_fn(self._context(bar), step)
+        finally:
+            bar.close()
+        groups, extra = (out.groups, dict(out.metrics)) if isinstance(out, RolloutOutput) else (out, {})
+        groups = [g if isinstance(g, list) else [g] for g in groups]
+        if len(groups) != c.rollout_batch_size:
+            raise RuntimeError(f"--rollout-function-path {c.rollout_function_path} returned {len(groups)} prompt "
+                               f"groups for step {step}; expected --rollout-batch-size {c.rollout_batch_size}")
+        for g in groups:
+            if not g or not all(isinstance(s, Sample) for s in g):
+                raise TypeError(f"--rollout-function-path {c.rollout_function_path} must return non-empty lists "
+                                "of Sample")
+        return groups, extra
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Metrics under `eval/<name>/...` for the configured evaluation sets."""
-        raise NotImplementedError("evaluation (--eval-interval with --eval-prompt-data/--eval-config) is not built yet")
+        from relax.rollout.evaluation import eval_sets, evaluate
+
+        c = self.config
+        if self.router is None:
+            raise RuntimeError("evaluation needs the rollout engines (not available with --debug-train-only)")
+        t0 = time.perf_counter()
+        metrics, data = evaluate(self._context(), self.encoder, step, eval_sets(c))
+        if self.eval_log_fn is not None:
+            metrics.update(self.eval_log_fn(c, step, data, dict(metrics)) or {})
+        metrics["perf/eval_time"] = time.perf_counter() - t0
+        return metrics
 
     # ------------------------------------------------------------------ checkpoints and shutdown
     def state_dict(self) -> dict[str, Any]:
-        return {"source": self.source.state_dict(), "next_index": self.next_index, "next_group": self.next_group}
+        source = self.source.state_dict() if hasattr(self.source, "state_dict") else None
+        return {"source": source, "next_index": self.next_index}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.source.load_state_dict(state["source"])
-        self.next_index, self.next_group = state["next_index"], state["next_group"]
+        if state.get("source") is not None and hasattr(self.source, "load_state_dict"):
+            self.source.load_state_dict(state["source"])
+            if "next_group" in state and hasattr(self.source, "next_group"):  # older checkpoints
+                self.source.next_group = state["next_group"]
+        self.next_index = state["next_index"]
 
     def shutdown(self) -> None:
         if self.router is not None:

@@ -1,15 +1,18 @@
-"""The default rollout function: prompts -> engines (through the router) -> scored samples.
+"""Token-in/token-out generation through the router (or one engine), one sample at a time.
 
-Token in, token out: prompts are sent as token ids, and the response tokens and their log-probs are
-taken from the engine's reply as they are (no re-tokenization), so what is trained is exactly what
-was generated.
+Prompts are sent as token ids, and the response tokens and their log-probs are taken from the
+engine's reply as they are (no re-tokenization), so what is trained is exactly what was generated.
+
+`call_engine` is the single HTTP call (with timeout and retries) that the default per-sample
+generation and custom generate functions (multi-turn, tool calls) share. `generate_one` fills one
+sample's response, resuming an aborted partial response when the sample carries one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import aiohttp
@@ -28,15 +31,22 @@ class SamplingSettings:
     stop: tuple[str, ...] | None = None
     stop_token_ids: tuple[int, ...] | None = None
     skip_special_tokens: bool = False
+    min_new_tokens: int = 0
+    max_context_len: int | None = None
 
     @classmethod
     def from_config(cls, config: Any, prefix: str = "rollout") -> "SamplingSettings":
+        """The `--rollout-*` settings, or with prefix="eval" the `--eval-*` ones (fallbacks are
+        derived in the config)."""
         stop = config[f"{prefix}_stop"] if f"{prefix}_stop" in config else config.rollout_stop
+        min_new = config[f"{prefix}_min_new_tokens"] if f"{prefix}_min_new_tokens" in config else None
         return cls(temperature=config[f"{prefix}_temperature"], top_p=config[f"{prefix}_top_p"],
                    top_k=config[f"{prefix}_top_k"], max_new_tokens=config[f"{prefix}_max_response_len"] or 256,
                    stop=tuple(stop) if stop else None,
                    stop_token_ids=tuple(config.rollout_stop_token_ids) if config.rollout_stop_token_ids else None,
-                   skip_special_tokens=bool(config.rollout_skip_special_tokens))
+                   skip_special_tokens=bool(config.rollout_skip_special_tokens),
+                   min_new_tokens=int(min_new or 0),
+                   max_context_len=config[f"{prefix}_max_context_len"])
 
     def to_sglang(self) -> dict[str, Any]:
         params: dict[str, Any] = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
@@ -46,6 +56,8 @@ class SamplingSettings:
             params["stop"] = list(self.stop)
         if self.stop_token_ids:
             params["stop_token_ids"] = list(self.stop_token_ids)
+        if self.min_new_tokens:
+            params["min_new_tokens"] = self.min_new_tokens
         return params
 
 
@@ -53,9 +65,29 @@ class GenerationError(RuntimeError):
     """An engine request failed for good (the run stops; no sample is dropped silently)."""
 
 
-async def _generate_one(session: aiohttp.ClientSession, url: str, sample: Sample, sampling: dict, timeout_s: float,
-                        retries: int) -> Sample:
-    payload = {"input_ids": sample.prompt_tokens, "sampling_params": sampling, "return_logprob": True}
+@dataclass
+class EngineReply:
+    """One /generate answer: the new tokens exactly as the engine produced them."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    text: str
+    finish: str | None  # "stop", "length", "abort" (SGLang's finish_reason.type)
+    weight_version: int = 0
+    raw: dict = field(default_factory=dict)
+
+    @property
+    def status(self) -> str:
+        return {"length": STATUS_TRUNCATED, "abort": STATUS_ABORTED}.get(self.finish or "", STATUS_COMPLETED)
+
+
+async def call_engine(session: aiohttp.ClientSession, url: str, input_ids: Sequence[int], sampling: dict, *,
+                      rid: str | None = None, timeout_s: float = 600.0, retries: int = 2,
+                      what: str = "request") -> EngineReply:
+    """POST {url}/generate with token ids; retries transport errors, raises GenerationError at the end."""
+    payload: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling, "return_logprob": True}
+    if rid is not None:
+        payload["rid"] = rid
     last_error = ""
     for attempt in range(retries + 1):
         try:
@@ -69,23 +101,69 @@ async def _generate_one(session: aiohttp.ClientSession, url: str, sample: Sample
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             last_error = last_error or f"{type(exc).__name__}: {exc}"
             if attempt == retries:
-                raise GenerationError(f"generation for sample {sample.index} failed via {url} after "
+                raise GenerationError(f"generation for {what} failed via {url} after "
                                       f"{retries + 1} attempt(s): {last_error}") from None
             await asyncio.sleep(min(2.0, 0.2 * 2 ** attempt))
             last_error = ""
     meta = body["meta_info"]
     pairs = meta.get("output_token_logprobs") or []
-    sample.response_tokens = [int(p[1]) for p in pairs]
-    sample.response_logprobs = [float(p[0]) for p in pairs]
-    sample.loss_mask = [1] * len(sample.response_tokens)
-    sample.response_text = body.get("text", "")
-    finish = (meta.get("finish_reason") or {}).get("type")
-    sample.status = {"length": STATUS_TRUNCATED, "abort": STATUS_ABORTED}.get(finish, STATUS_COMPLETED)
-    version = meta.get("weight_version")
     try:
-        sample.weight_version = int(version)
+        version = int(meta.get("weight_version"))
     except (TypeError, ValueError):
-        sample.weight_version = 0
+        version = 0
+    return EngineReply(tokens=[int(p[1]) for p in pairs], logprobs=[float(p[0]) for p in pairs],
+                       text=body.get("text", ""), finish=(meta.get("finish_reason") or {}).get("type"),
+                       weight_version=version, raw=body)
+
+
+def sample_rid(sample: Sample) -> str:
+    """The engine request id of a sample (used to abort it)."""
+    return f"relax-{sample.rollout_step}-{sample.group_index}-{sample.index}-{id(sample)}"
+
+
+async def generate_one(session: aiohttp.ClientSession, url: str, sample: Sample, sampling: dict, *,
+                       timeout_s: float = 600.0, retries: int = 2, mask_offpolicy: bool = False,
+                       max_context_len: int | None = None) -> Sample:
+    """Fill (or, for an aborted partial response, continue) one sample's response.
+
+    A resumed sample sends prompt + its response so far and gets at most the remaining new tokens; with
+    `mask_offpolicy` the tokens generated before the resume get loss_mask 0. `max_context_len` caps
+    prompt + response (the request asks for fewer new tokens; a prompt that already fills it is truncated
+    with no response).
+    """
+    done = list(sample.response_tokens) if sample.status == STATUS_ABORTED else []
+    params = dict(sampling)
+    if max_context_len:
+        room = max_context_len - len(sample.prompt_tokens) - len(done)
+        params["max_new_tokens"] = min(int(params["max_new_tokens"]), room + len(done))
+        if room <= 0:
+            if not done:
+                sample.response_tokens, sample.response_logprobs, sample.loss_mask = [], [], []
+            sample.status = STATUS_TRUNCATED
+            return sample
+    if done:
+        params["max_new_tokens"] = max(0, int(params["max_new_tokens"]) - len(done))
+        if params["max_new_tokens"] == 0:
+            sample.status = STATUS_TRUNCATED
+            return sample
+        if mask_offpolicy:
+            sample.loss_mask = [0] * len(done)
+        sample.metadata["resumed_tokens"] = sample.metadata.get("resumed_tokens", 0) + len(done)
+    else:
+        sample.response_tokens, sample.response_logprobs, sample.loss_mask = [], [], []
+        sample.response_text = ""
+    sample.metadata["rid"] = rid = sample_rid(sample)
+    reply = await call_engine(session, url, sample.prompt_tokens + done, params, rid=rid, timeout_s=timeout_s,
+                              retries=retries, what=f"sample {sample.index} (group {sample.group_index})")
+    mask = list(sample.loss_mask) if done else []
+    if done and len(mask) != len(done):
+        mask = [1] * len(done)
+    sample.response_tokens = done + reply.tokens
+    sample.response_logprobs = (list(sample.response_logprobs) if done else []) + reply.logprobs
+    sample.loss_mask = mask + [1] * len(reply.tokens)
+    sample.response_text = (sample.response_text if done else "") + reply.text
+    sample.status = reply.status
+    sample.weight_version = reply.weight_version
     return sample
 
 
@@ -99,7 +177,7 @@ async def generate_samples(router_url: str, samples: Sequence[Sample], sampling:
     async with aiohttp.ClientSession() as session:
         async def run(sample: Sample) -> Sample:
             async with limit:
-                done = await _generate_one(session, router_url, sample, params, timeout_s, retries)
+                done = await generate_one(session, router_url, sample, params, timeout_s=timeout_s, retries=retries)
             if progress is not None:
                 progress.update(1)
             return done
