@@ -7,7 +7,6 @@ every engine (versioned, verified) -> metrics -> checkpoint every --save-interva
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -140,36 +139,14 @@ class Controller:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, rollout_id: int) -> Path:
-        """model + optimizer + scheduler + RNG (trainer) and data position (rollout), then the marker."""
-        root = Path(self.config.save)
-        path = root / f"iter_{rollout_id:07d}"
-        ray.get([w.save.remote(str(path / "actor")) for w in self.workers])
-        self.aux.save(str(path))
-        state = ray.get(self.rollout.state_dict.remote())
-        tmp = path / "relax_state.json.tmp"
-        tmp.write_text(json.dumps({"rollout_id": rollout_id, "rollout": state}))
-        tmp.replace(path / "relax_state.json")
-        marker = root / "latest_checkpointed_iteration.txt"
-        (root / "latest.tmp").write_text(str(rollout_id))
-        (root / "latest.tmp").replace(marker)
-        return path
+        from relax.core.checkpointing import save_checkpoint
+
+        return save_checkpoint(self, rollout_id)
 
     def _resume(self, load: str) -> None:
-        root = Path(load)
-        marker = root / "latest_checkpointed_iteration.txt"
-        if not marker.is_file():
-            logger.info("--load %s holds no checkpoint yet; starting from step 0", load)
-            return
-        rollout_id = int(marker.read_text().strip())
-        path = root / f"iter_{rollout_id:07d}"
-        ray.get([w.load.remote(str(path / "actor")) for w in self.workers])
-        self.aux.load(str(path))
-        state = json.loads((path / "relax_state.json").read_text())
-        ray.get(self.rollout.load_state_dict.remote(state["rollout"]))
-        self.start_step = rollout_id if self.config.start_rollout_id is None else self.config.start_rollout_id
-        ray.get([w.push_weights.remote(self.engine_urls, rollout_id, self.config.update_weight_buffer_size)
-                 for w in self.workers])
-        logger.info("resumed from %s at rollout step %d", path, self.start_step)
+        from relax.core.checkpointing import resume_from
+
+        resume_from(self, load)
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:

@@ -6,6 +6,15 @@ The controller calls, every step:
     aux.post_train(step, metrics)         # e.g. critic update; may add metrics
     aux.after_weight_update(step)         # e.g. refresh the reference every --ref-update-interval
 A role is a group of Ray actors created in `build_aux_roles`; runs without such roles get `NoAuxRoles`.
+
+Roles built here, each one Ray actor per actor rank (the actor's parallel layout), in its own placement group:
+  * reference (--use-kl-loss / --kl-coef): `ref_logprobs` before the actor trains;
+  * teacher (--use-opd --opd-type megatron): `teacher_logprobs` before the actor trains (OPD advantages);
+  * critic (--advantage-estimator ppo): `values` before the actor trains; the actor computes GAE advantages and
+    returns (relax.training.advantages) and hands the returns back in its result under
+    `relax.training.step.CRITIC_RETURNS_KEY`, which `post_train` takes out of the metrics to train the critic
+    (clipped value loss) and replaces by `critic/...` metrics. The critic is saved under `<iter dir>/critic`,
+    or `<--critic-save>/iter_XXXXXXX/critic` (with its own latest_checkpointed_iteration.txt).
 """
 
 from __future__ import annotations
@@ -43,10 +52,11 @@ class NoAuxRoles(AuxRoles):
     pass
 
 
-class ReferenceGroup:
-    """The reference role: one `ReferenceWorker` per actor rank, in its own placement group."""
+class WorkerGroup:
+    """One worker per actor rank, built by `worker_cls.options(...).remote(config, rank, world, threads, *args)`,
+    set up together (their own torch.distributed group), in a placement group named `relax-<name>`."""
 
-    def __init__(self, config: Any, *, use_gpu: bool):
+    def __init__(self, name: str, worker_cls: Any, config: Any, *, use_gpu: bool, args: tuple = ()):
         import os
 
         import ray
@@ -54,40 +64,42 @@ class ReferenceGroup:
 
         from relax.config.env import worker_env
         from relax.core.placement import create_placement_group
-        from relax.roles.reference import ReferenceWorker
 
+        self.name = name
+        self.workers: list[Any] = []
+        self.placement_group = None
         world = config.resource["actor"][0] * config.resource["actor"][1]
         bundles = [{"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0} for _ in range(world)]
-        self.placement_group = create_placement_group(bundles, "relax-reference")
+        self.placement_group = create_placement_group(bundles, f"relax-{name}")
         threads = max(1, (os.cpu_count() or 2) // max(1, world))
         env = {"env_vars": worker_env(config.train_env_vars, training_role=True)}
         self.workers = [
-            ReferenceWorker.options(num_cpus=1, num_gpus=1 if use_gpu else 0, runtime_env=env,
-                                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                                        placement_group=self.placement_group, placement_group_bundle_index=rank)
-                                    ).remote(config, rank, world, threads)
+            worker_cls.options(num_cpus=1, num_gpus=1 if use_gpu else 0, runtime_env=env,
+                               scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                   placement_group=self.placement_group, placement_group_bundle_index=rank)
+                               ).remote(config, rank, world, threads, *args)
             for rank in range(world)
         ]
         try:
             addr, port = ray.get(self.workers[0].master_address.remote())
             backend = config.distributed_backend if use_gpu else "gloo"
-            infos = ray.get([w.setup.remote(addr, port, backend) for w in self.workers])
+            self.infos = ray.get([w.setup.remote(addr, port, backend) for w in self.workers])
         except BaseException:
             self.shutdown()
             raise
-        logger.info("reference: %d rank(s), weights from %s", world, infos[0]["source"])
+        logger.info("%s: %d rank(s), weights from %s", name, world, self.infos[0]["source"])
 
-    def logprobs(self, step: int) -> tuple[list[list[float]], list[int], float]:
-        """(per-sample reference log-probs in sample order, the samples' indices, seconds)."""
+    def gather_rows(self, step: int, key: str) -> tuple[list[list[float]], list[int], float]:
+        """(per-sample rows of `compute(step)[key]` in sample order, the samples' indices, seconds)."""
         import ray
 
         parts = ray.get([w.compute.remote(step) for w in self.workers])
         rows: list[Any] = [None] * parts[0]["num_samples"]
         for part in parts:
-            for pos, row in zip(part["positions"], part["logprobs"]):
+            for pos, row in zip(part["positions"], part[key]):
                 rows[pos] = row
         if any(r is None for r in rows):
-            raise RuntimeError(f"step {step}: the reference group left samples without log-probs")
+            raise RuntimeError(f"step {step}: the {self.name} group left samples without {key}")
         return rows, parts[0]["index"], max(p["seconds"] for p in parts)
 
     def save(self, path: str) -> None:
@@ -118,15 +130,63 @@ class ReferenceGroup:
                 remove_placement_group(self.placement_group)
             except Exception:
                 pass
+            self.placement_group = None
+
+
+class ReferenceGroup(WorkerGroup):
+    """The reference role: one `ReferenceWorker` per actor rank, in its own placement group."""
+
+    def __init__(self, config: Any, *, use_gpu: bool):
+        from relax.roles.reference import ReferenceWorker
+
+        super().__init__("reference", ReferenceWorker, config, use_gpu=use_gpu, args=("reference",))
+
+    def logprobs(self, step: int) -> tuple[list[list[float]], list[int], float]:
+        """(per-sample reference log-probs in sample order, the samples' indices, seconds)."""
+        return self.gather_rows(step, "logprobs")
+
+
+class TeacherGroup(WorkerGroup):
+    """The on-policy-distillation teacher: forward-only `ReferenceWorker`s with role "teacher"."""
+
+    def __init__(self, config: Any, *, use_gpu: bool):
+        from relax.roles.reference import ReferenceWorker
+
+        super().__init__("teacher", ReferenceWorker, config, use_gpu=use_gpu, args=("teacher",))
+
+    def logprobs(self, step: int) -> tuple[list[list[float]], list[int], float]:
+        return self.gather_rows(step, "logprobs")
+
+
+class CriticGroup(WorkerGroup):
+    """The critic role: one `CriticWorker` per actor rank, in its own placement group."""
+
+    def __init__(self, config: Any, *, use_gpu: bool):
+        from relax.roles.critic import CriticWorker
+
+        super().__init__("critic", CriticWorker, config, use_gpu=use_gpu)
+
+    def values(self, step: int) -> tuple[list[list[float]], list[int], float]:
+        return self.gather_rows(step, "values")
+
+    def train(self, step: int, old_values: list[list[float]], returns: list[list[float]]) -> dict[str, float]:
+        import ray
+
+        return ray.get([w.train.remote(step, old_values, returns) for w in self.workers])[0]
 
 
 class TrainingAuxRoles(AuxRoles):
-    """Reference log-probs before each actor update; reference refresh every --ref-update-interval steps
-    (the actor ranks copy their weights to their reference peers right after that step's update)."""
+    """Reference / teacher log-probs and critic values before each actor update; the critic's update after it;
+    reference refresh every --ref-update-interval steps (the actor ranks copy their weights to their reference
+    peers right after that step's update)."""
 
-    def __init__(self, config: Any, reference: ReferenceGroup | None):
+    def __init__(self, config: Any, reference: ReferenceGroup | None, critic: CriticGroup | None = None,
+                 teacher: TeacherGroup | None = None):
         self.config = config
         self.reference = reference
+        self.critic = critic
+        self.teacher = teacher
+        self._values: dict[int, list[list[float]]] = {}
 
     def pre_train(self, step: int) -> dict[str, Any]:
         extras: dict[str, Any] = {}
@@ -138,26 +198,86 @@ class TrainingAuxRoles(AuxRoles):
             interval = self.config.ref_update_interval
             if interval and (step + 1) % interval == 0:
                 extras["ref_update_targets"] = self.reference.workers
+        if self.teacher is not None:
+            rows, index, seconds = self.teacher.logprobs(step)
+            extras["teacher_logprobs"] = rows
+            extras["teacher_sample_index"] = index
+            extras["teacher_seconds"] = seconds
+        if self.critic is not None:
+            rows, index, seconds = self.critic.values(step)
+            extras["values"] = rows
+            extras["values_sample_index"] = index
+            extras["critic_seconds"] = seconds
+            self._values = {step: rows}
         return extras
+
+    def post_train(self, step: int, metrics: dict[str, Any]) -> None:
+        from relax.training.step import CRITIC_RETURNS_KEY
+
+        returns = metrics.pop(CRITIC_RETURNS_KEY, None)
+        if self.critic is None:
+            return
+        if returns is None or step not in self._values:
+            raise RuntimeError(f"step {step}: the actor returned no GAE returns for the critic")
+        metrics.update(self.critic.train(step, self._values.pop(step), returns))
+
+    def _critic_dir(self, path: str) -> Path:
+        if self.config.critic_save:
+            return Path(self.config.critic_save) / Path(path).name / "critic"
+        return Path(path) / "critic"
 
     def save(self, path: str) -> None:
         if self.reference is not None and self.config.ref_update_interval:
             self.reference.save(str(Path(path) / "reference"))
+        if self.critic is not None:
+            where = self._critic_dir(path)
+            self.critic.save(str(where))
+            if self.config.critic_save:  # a save root of its own: --critic-load finds the latest iteration
+                root = Path(self.config.critic_save)
+                iteration = int(Path(path).name.rsplit("_", 1)[-1])
+                (root / "latest.tmp").write_text(str(iteration))
+                (root / "latest.tmp").replace(root / "latest_checkpointed_iteration.txt")
 
     def load(self, path: str) -> None:
         if self.reference is not None and (Path(path) / "reference" / "meta.json").is_file():
             self.reference.load(str(Path(path) / "reference"))
+        if self.critic is not None:
+            for where in (self._critic_dir(path), Path(path) / "critic"):
+                if (where / "meta.json").is_file():
+                    self.critic.load(str(where))
+                    break
+            else:
+                logger.warning("resuming from %s without a critic checkpoint; the critic keeps its initial "
+                               "weights", path)
 
     def shutdown(self) -> None:
-        if self.reference is not None:
-            self.reference.shutdown()
-            self.reference = None
+        for name in ("reference", "teacher", "critic"):
+            group = getattr(self, name)
+            if group is not None:
+                group.shutdown()
+                setattr(self, name, None)
 
 
 def build_aux_roles(config: Any, *, use_gpu: bool, data_plane: Any) -> AuxRoles:
-    """Create the auxiliary role groups this config needs: a reference for --use-kl-loss / --kl-coef."""
-    from relax.training.step import needs_reference
+    """Create the auxiliary role groups this config needs: a reference for --use-kl-loss / --kl-coef, a critic
+    for --advantage-estimator ppo, a teacher for --use-opd --opd-type megatron."""
+    from relax.training.step import needs_critic, needs_reference, needs_teacher
 
-    if needs_reference(config) and not config.debug_rollout_only:
-        return TrainingAuxRoles(config, ReferenceGroup(config, use_gpu=use_gpu))
-    return NoAuxRoles()
+    if config.debug_rollout_only:
+        return NoAuxRoles()
+    groups: dict[str, Any] = {}
+    try:
+        if needs_reference(config):
+            groups["reference"] = ReferenceGroup(config, use_gpu=use_gpu)
+        if needs_teacher(config):
+            groups["teacher"] = TeacherGroup(config, use_gpu=use_gpu)
+        if needs_critic(config):
+            groups["critic"] = CriticGroup(config, use_gpu=use_gpu)
+    except BaseException:
+        for group in groups.values():
+            group.shutdown()
+        raise
+    if not groups:
+        return NoAuxRoles()
+    return TrainingAuxRoles(config, groups.get("reference"), critic=groups.get("critic"),
+                            teacher=groups.get("teacher"))
