@@ -15,7 +15,7 @@ EMBEDDED_MARKER = "embedded_default"
 
 EMBEDDED_PRESET: dict[str, Any] = {
     "rollout_batch_size": 16,
-    "n_samples_per_prompt": 8,
+    "n_samples_per_prompt": 16,
     "num_rollout": 60,
     "rollout_max_response_len": 4,
     "rollout_temperature": 1.0,
@@ -23,8 +23,8 @@ EMBEDDED_PRESET: dict[str, Any] = {
     "input_key": "input",
     "label_key": "label",
     "apply_chat_template": True,
-    "lr": 1e-3,
-    "lr_warmup_iters": 0,
+    "lr": 2e-3,
+    "lr_warmup_iters": 5,
     "lr_decay_style": "constant",
     "weight_decay": 0.0,
     "adam_beta2": 0.99,

@@ -39,4 +39,50 @@ def check_corrections(v: dict, explicit) -> None:
                           "--custom-pg-loss-reducer-function-path do not apply to it (drop them)")
 
 
-RULES: tuple = (check_reference, check_corrections)
+def _same_workers(v: dict, role: str, why: str) -> None:
+    res = v.get("resource") or {}
+    if res.get(role) and res.get("actor"):
+        mine, actor = res[role], res["actor"]
+        if mine[0] * mine[1] != actor[0] * actor[1]:
+            raise ConfigError(f"--resource {role} {mine} must have as many workers as actor {actor} ({why}); make "
+                              f"them equal or drop the {role} entry")
+
+
+def check_critic(v: dict, explicit) -> None:
+    ppo = v.get("advantage_estimator") == "ppo"
+    if not ppo:
+        for dest in ("critic_lr", "critic_load", "critic_save"):
+            derived = {"critic_lr": v.get("lr"), "critic_load": v.get("load")}.get(dest)  # restated by a resolved config
+            if dest in explicit and v.get(dest) is not None and v.get(dest) != derived:
+                raise ConfigError(f"--{dest.replace('_', '-')} configures the critic, which only "
+                                  "--advantage-estimator ppo has; use ppo or drop the flag")
+        for dest in ("critic_lr_warmup_iters", "value_clip", "lambd"):
+            if dest in explicit and v.get(dest) != {"critic_lr_warmup_iters": 0, "value_clip": 0.2,
+                                                    "lambd": 1.0}[dest]:
+                raise ConfigError(f"--{dest.replace('_', '-')} is used by the critic / GAE of --advantage-estimator "
+                                  "ppo only; use ppo or drop the flag")
+    if ppo:
+        _same_workers(v, "critic", "the critic uses the actor's parallel layout")
+        if v.get("loss_type") not in (None, "policy_loss"):
+            raise ConfigError(f"--advantage-estimator ppo trains the actor with the policy loss; --loss-type "
+                              f"{v.get('loss_type')} does not use its advantages (drop one of them)")
+
+
+def check_opd(v: dict, explicit) -> None:
+    if not v.get("use_opd"):
+        for dest in ("opd_teacher_load", "opd_teacher_ckpt_step"):
+            if dest in explicit and v.get(dest) is not None:
+                raise ConfigError(f"--{dest.replace('_', '-')} has no effect without --use-opd; add --use-opd "
+                                  "--opd-type megatron or drop it")
+        if "opd_kl_coef" in explicit and v.get("opd_kl_coef") != 1.0:
+            raise ConfigError("--opd-kl-coef has no effect without --use-opd; add --use-opd or drop it")
+        return
+    if v.get("opd_teacher_ckpt_step") is not None and not v.get("opd_teacher_load"):
+        raise ConfigError("--opd-teacher-ckpt-step picks an iteration of --opd-teacher-load; add --opd-teacher-load")
+    if v.get("opd_type") == "sglang" and v.get("opd_teacher_load"):
+        raise ConfigError("--opd-teacher-load is the Megatron teacher's checkpoint; use --opd-type megatron")
+    if v.get("opd_type") == "megatron":
+        _same_workers(v, "teacher", "the teacher uses the actor's parallel layout")
+
+
+RULES: tuple = (check_reference, check_corrections, check_critic, check_opd)

@@ -19,4 +19,6 @@ ROLLOUT_FEATURES: frozenset[str] = frozenset({
     "custom_eval_rollout_log_function_path",
     # partial rollout
     "partial_rollout", "mask_offpolicy_in_partial_rollout",
+    # data
+    "skip_bad_lines",
 })

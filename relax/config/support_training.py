@@ -11,10 +11,16 @@ TRAINING_FEATURES: frozenset[str] = frozenset({
     # trainer options
     "only_train_params_name_list", "freeze_params_name_list", "reset_optimizer_states",
     "use_dynamic_batch_size", "max_tokens_per_gpu", "log_probs_max_tokens_per_gpu",
+    # PPO with a critic role (tests/test_training_critic.py, tests/test_training_e2e_ppo.py)
+    "lambd", "value_clip", "num_critic_only_steps", "critic_train_only", "critic_lr", "critic_lr_warmup_iters",
+    "critic_load", "critic_save",
+    # on-policy distillation with a Megatron teacher role
+    "use_opd", "opd_type", "opd_kl_coef", "opd_teacher_load", "opd_teacher_ckpt_step",
 })
 
 # Values of flags whose other values are not built yet (merge into relax.config.support.SUPPORTED_VALUES):
 TRAINING_SUPPORTED_VALUES: dict[str, frozenset] = {
-    "advantage_estimator": frozenset({"reinforce_plus_plus", "reinforce_plus_plus_baseline"}),
+    "advantage_estimator": frozenset({"reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"}),
+    "opd_type": frozenset({"megatron"}),
     "loss_type": frozenset({"custom_loss", "sft"}),
 }

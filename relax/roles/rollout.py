@@ -181,7 +181,7 @@ class RolloutManager:
             metrics.update(passrate_metrics(groups, "rollout/"))
         if self.source is not None and hasattr(self.source, "stats"):
             stats = self.source.stats()
-            for key in ("buffered_groups", "filtered_long_prompts"):
+            for key in ("buffered_groups", "filtered_long_prompts", "bad_lines"):
                 if key in stats:
                     metrics[f"rollout/{key}"] = float(stats[key])
         if self.log_fn is not None:

@@ -21,6 +21,9 @@ def add_flags(parser):
                    help="Read the prompt file lazily with bounded memory.")
     g.add_argument("--streaming-buffer-size", type=int, default=10000,
                    help="Prompts held in memory by the streaming reader (also its shuffle window).")
+    g.add_argument("--skip-bad-lines", action="store_true", default=False,
+                   help="Skip malformed prompt lines (counted as rollout/bad_lines) instead of stopping with an "
+                        "error that names the file and line.")
     g.add_argument("--data-source-path", type=str,
                    default="relax.engine.rollout.data_source.RolloutDataSourceWithBuffer",
                    help="Dotted path of the prompt data source class.")
