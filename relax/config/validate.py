@@ -339,6 +339,11 @@ def derive(v: dict, explicit) -> None:
     if v.get("lr_decay_iters") is None and v["num_rollout"] and v["global_batch_size"] and samples:
         # Megatron decays over the whole run by default: optimizer steps per rollout x rollouts.
         v["lr_decay_iters"] = v["num_rollout"] * max(1, samples // v["global_batch_size"])
+        # Megatron's scheduler needs decay steps beyond the warm-up; short runs keep the warm-up whole.
+        v["lr_decay_iters"] = max(v["lr_decay_iters"], (v.get("lr_warmup_iters") or 0) + 1)
+    elif v.get("lr_decay_iters") is not None and (v.get("lr_warmup_iters") or 0) >= v["lr_decay_iters"]:
+        raise ConfigError(f"--lr-warmup-iters ({v['lr_warmup_iters']}) must be smaller than --lr-decay-iters "
+                          f"({v['lr_decay_iters']})")
 
 
 def check_batch_arithmetic(v: dict, explicit) -> None:

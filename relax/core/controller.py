@@ -205,6 +205,9 @@ def run_controller(config: Config) -> int:
 
         info = build_embedded_assets(config.hf_checkpoint, config.prompt_data, seed=config.seed % 1000)
         logger.info("embedded default assets: %s", info)
+    trace_log = logging.getLogger("relax.trace")  # full tracebacks go to the log file only
+    trace_log.propagate = False
+    trace_log.addHandler(logging.FileHandler(out / "logs" / "relax.log"))
     signal.signal(signal.SIGTERM, _raise_interrupt)
     controller = Controller(config)
     try:
@@ -216,8 +219,9 @@ def run_controller(config: Config) -> int:
         logger.error("interrupted (%s); shutting down", exc or "SIGINT")
         return 130
     except Exception as exc:
-        logger.error("run failed: %s: %s", type(exc).__name__, _first_line(exc))
-        logger.debug("traceback", exc_info=True)
+        logger.error("run failed: %s: %s (traceback in %s)", type(exc).__name__, _first_line(exc),
+                     out / "logs" / "relax.log")
+        trace_log.error("traceback of the failure", exc_info=True)
         return 1
     finally:
         controller.shutdown()
