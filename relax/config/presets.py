@@ -13,22 +13,28 @@ from typing import Any
 
 EMBEDDED_MARKER = "embedded_default"
 
+# Tuned for the tiny model on the `successor` task (see relax.models.tasks.TINY_GRPO_RECOMMENDED):
+# 4 optimizer steps per rollout, a warm-up of 5 rollouts, and a KL loss to the warm-started model.
 EMBEDDED_PRESET: dict[str, Any] = {
-    "rollout_batch_size": 16,
+    "rollout_batch_size": 32,
     "n_samples_per_prompt": 16,
-    "num_rollout": 60,
-    "rollout_max_response_len": 4,
+    "num_rollout": 80,
+    "num_steps_per_rollout": 4,
+    "rollout_max_response_len": 8,
     "rollout_temperature": 1.0,
     "rm_type": "exact_match",
     "input_key": "input",
     "label_key": "label",
     "apply_chat_template": True,
     "lr": 2e-3,
-    "lr_warmup_iters": 5,
+    "lr_warmup_iters": 20,
     "lr_decay_style": "constant",
     "weight_decay": 0.0,
-    "adam_beta2": 0.99,
     "clip_grad": 1.0,
+    "use_kl_loss": True,
+    "kl_loss_coef": 0.1,
+    "kl_loss_type": "low_var_kl",
+    "calculate_per_token_loss": True,
     "micro_batch_size": 16,
     "rollout_shuffle": True,
     "resource": {"actor": [1, 1], "rollout": [1, 1]},

@@ -12,9 +12,9 @@ from relax.models.warmstart import format_warm_start
 
 logger = logging.getLogger(__name__)
 
-EMBEDDED_TASK = DEFAULT_TASK
+EMBEDDED_TASK = "successor"
 EMBEDDED_NUM_PROMPTS = 100
-WARM_START_STEPS = 150
+WARM_START_STEPS = 40
 
 
 def build_embedded_assets(model_dir: str, data_path: str, seed: int = 0) -> dict:

@@ -8,7 +8,15 @@ the choice distributed **uniformly** over the task's answer alphabet, whatever t
 The loss never looks at a label. For each prompt it is the mean, over every possible answer
 ``c``, of the cross-entropy of ``c + <|im_end|>`` after the rendered prompt; its minimiser is
 ``p(c | prompt) = 1 / len(answer_choices)`` for every prompt, i.e. exactly chance (0.1 for digit
-answers). The correct mapping has to be found by RL afterwards.
+answers). The correct mapping has to be found by RL afterwards. The prompts it trains on are
+drawn from the task's prompt set by an RNG that is not keyed by the task, so two tasks with the
+same prompts and answer alphabet but different labels (``successor`` and ``copy``) produce
+bit-identical warm-started weights (tested).
+
+40 steps (the default, ~3.5 s on one CPU thread) give >= 0.99 probability mass on the digits,
+a digit distribution within 0.003 of uniform for every prompt, and P(<|im_end|> | digit) >=
+0.99. Longer warm starts flatten the prompt dependence further and measurably slowed the RL
+that follows (seed 1: ~34 GRPO steps to 0.8 after 30 warm-start steps, ~44 after 200).
 
 Deterministic given (model weights, task, steps, seed, batch_size, lr) on a given thread count.
 """
@@ -16,6 +24,7 @@ Deterministic given (model weights, task, steps, seed, batch_size, lr) on a give
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 from pathlib import Path
@@ -54,7 +63,7 @@ def _build_batch(tokenizer, prompts, choices, pad_id, prompt_format="chat"):
 def format_warm_start(
     model_dir: str | Path,
     task: str = DEFAULT_TASK,
-    steps: int = 150,
+    steps: int = 40,
     seed: int = 0,
     batch_size: int = 16,
     lr: float = 3e-3,
@@ -63,6 +72,9 @@ def format_warm_start(
 ) -> dict:
     """Train ``model_dir``'s model in place on the answer format of ``task``; save it back.
 
+    ``prompt_format`` must match how the rollout renders dataset inputs ("chat": the chat
+    template with the generation prompt; "text": the bare prompt).
+
     ``batch_size`` prompts per step, each expanded to every answer choice (so 160 sequences
     per step for a digit task). Returns a small report (final loss, time, the uniform-loss floor).
     """
@@ -70,13 +82,15 @@ def format_warm_start(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     spec = get_task(task)
+    if not spec.answer_choices:
+        raise ValueError(f"task {task!r} has no small answer set; the format warm start needs one")
     model_dir = Path(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     torch.manual_seed(seed)
-    rng = random.Random(f"relax-warmstart:{task}:{seed}")
+    rng = random.Random(f"relax-warmstart:{seed}")  # not keyed by task: see tests
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     model.train()
     t0 = time.perf_counter()
@@ -103,8 +117,6 @@ def format_warm_start(
     # The minimum of the loss: per answer token, log(#choices) spread over the answer tokens
     # plus ~0 for <|im_end|>, i.e. log(k)/2 for one-token answers.
     n_choice_tokens = len(tokenizer(spec.answer_choices[0], add_special_tokens=False)["input_ids"])
-    import math
-
     floor = math.log(len(spec.answer_choices)) / (n_choice_tokens + 1)
     report = {
         "task": task,
