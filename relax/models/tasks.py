@@ -269,3 +269,12 @@ def batch_rewards(
 
 def batch_exact_match(responses: Sequence[str], labels: Sequence[str]) -> list[float]:
     return batch_rewards(responses, labels, "exact_match")
+
+
+def number_match_rm(args: Any, sample: Any) -> float:
+    """`--custom-rm-path` adapter of :func:`number_match_reward` (the SmolLM2 word-problem example)."""
+    response = getattr(sample, "response_text", None)
+    if response is None:
+        response = sample["response_text"] if isinstance(sample, dict) else ""
+    label = sample.label if hasattr(sample, "label") else sample["label"]
+    return number_match_reward(response, str(label))
