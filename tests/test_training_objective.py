@@ -13,7 +13,9 @@ from relax.data.sample import Sample
 from relax.training.advantages import compute_advantages, response_mask
 from relax.training.objective import PolicyObjective
 
-BASE = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "3", "--global-batch-size", "6"]
+# A model path keeps the embedded-default preset (used when neither model nor data is given) out of these configs.
+BASE = ["--hf-checkpoint", "unused-model-dir", "--rollout-batch-size", "2", "--n-samples-per-prompt", "3",
+        "--global-batch-size", "6"]
 
 
 def _config(*args):

@@ -56,7 +56,9 @@ def _samples(n=6, seed=0):
 
 
 def _config(*args):
-    return parse_config(["--rollout-batch-size", "2", "--n-samples-per-prompt", "3", "--global-batch-size", "6",
+    # a model path keeps the embedded-default preset (no model and no data given) out of these configs
+    return parse_config(["--hf-checkpoint", "unused-model-dir", "--rollout-batch-size", "2", "--n-samples-per-prompt",
+                         "3", "--global-batch-size", "6",
                          "--lr", "1e-3", *args])
 
 

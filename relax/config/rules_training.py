@@ -52,7 +52,8 @@ def check_critic(v: dict, explicit) -> None:
     ppo = v.get("advantage_estimator") == "ppo"
     if not ppo:
         for dest in ("critic_lr", "critic_load", "critic_save"):
-            derived = {"critic_lr": v.get("lr"), "critic_load": v.get("load")}.get(dest)  # restated by a resolved config
+            # a resolved config (--dry-run) restates the derived values: not a user choice
+            derived = {"critic_lr": v.get("lr"), "critic_load": v.get("load")}.get(dest)
             if dest in explicit and v.get(dest) is not None and v.get(dest) != derived:
                 raise ConfigError(f"--{dest.replace('_', '-')} configures the critic, which only "
                                   "--advantage-estimator ppo has; use ppo or drop the flag")

@@ -4,6 +4,11 @@ reference log-probs of a step's samples, read from the data plane.
 Weights: `--ref-load` (a Relax checkpoint written by `MegatronTrainer.save_checkpoint`, a save root, or an HF
 folder; `--ref-ckpt-step` picks the iteration of a save root) if given, else `--hf-checkpoint`. With
 `--ref-update-interval N` the actor ranks copy their weights into their reference peers every N steps.
+
+The on-policy-distillation teacher (`--use-opd --opd-type megatron`) is the same worker with role "teacher":
+weights from `--opd-teacher-load` (`--opd-teacher-ckpt-step`): an HF folder (its own architecture, which may
+differ from the student's but must share its tokenizer) or a Relax checkpoint (the architecture recorded in
+it, else the student's).
 """
 
 from __future__ import annotations
@@ -15,14 +20,34 @@ from typing import Any
 import ray
 
 
+def _checkpoint_arch(kind: str, where) -> Any:
+    """The architecture of an HF folder, or the one a Relax checkpoint recorded (None if it has none)."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from relax.backends.megatron.arch import ModelArch
+
+    if kind == "hf":
+        return ModelArch.from_hf_config(AutoConfig.from_pretrained(str(where)))
+    arch = json.loads((Path(where) / "meta.json").read_text()).get("arch")
+    if not arch:
+        return None
+    return ModelArch(**{k: tuple(v) if isinstance(v, list) else v for k, v in arch.items()})
+
+
 @ray.remote
 class ReferenceWorker:
     """One rank of the reference group. All ranks are called together for collectives."""
 
-    def __init__(self, config: Any, rank: int, world_size: int, threads: int = 1):
+    def __init__(self, config: Any, rank: int, world_size: int, threads: int = 1, role: str = "reference"):
         import torch
 
+        if role not in ("reference", "teacher"):
+            raise ValueError(f"unknown forward-only role {role!r}")
         torch.set_num_threads(max(1, threads))
+        self.role = role
         self.config = config
         self.rank = rank
         self.world_size = world_size
@@ -48,8 +73,19 @@ class ReferenceWorker:
         apply_cpu_compat()
         init_distributed(self.rank, self.world_size, master_addr, master_port, backend=backend,
                          timeout_minutes=self.config.distributed_timeout_minutes)
+        settings = trainer_settings(self.config, forward_only=True)
+        if self.role == "teacher":
+            from relax.backends.megatron.checkpoint import resolve_model_checkpoint
+
+            kind, where = resolve_model_checkpoint(self.config.opd_teacher_load, self.config.opd_teacher_ckpt_step)
+            arch = _checkpoint_arch(kind, where) or ModelArch.from_hf_config(
+                AutoConfig.from_pretrained(self.config.hf_checkpoint))
+            self.trainer = MegatronTrainer(arch, settings)
+            source = self.trainer.load_weights(where)
+            self.data = DataPlane.attach()
+            return {"rank": self.rank, "dp": self.trainer.layout.dp, "source": f"{source} {where}"}
         arch = ModelArch.from_hf_config(AutoConfig.from_pretrained(self.config.hf_checkpoint))
-        self.trainer = MegatronTrainer(arch, trainer_settings(self.config, forward_only=True))
+        self.trainer = MegatronTrainer(arch, settings)
         source = "hf"
         self.trainer.load_hf(self.config.hf_checkpoint)
         if self.config.ref_load:

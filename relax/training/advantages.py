@@ -8,7 +8,12 @@ Every estimator yields per-token advantages (one tensor per sample, over its res
   (`relax.algorithms.kl_penalized_token_rewards` + `discounted_returns` with `--gamma`);
 * reinforce_plus_plus: discounted return-to-go of KL-penalised token rewards (raw rewards);
 * reinforce_plus_plus_baseline: group-mean-centred reward minus `kl_coef * KL_t` per token;
-* `--normalize-advantages`: masked whitening over all response tokens of the step.
+* ppo: GAE (`--gamma`, `--lambd`) over token rewards (the sample's raw reward on its last token,
+  `-kl_coef * KL_t` per token with `--kl-coef`) and the critic's values (`relax.roles.critic`); the
+  returns (advantages + values, before whitening) are the critic's regression targets;
+* `--normalize-advantages`: masked whitening over all response tokens of the step;
+* `--use-opd` (any estimator): `opd_kl_coef * (log pi_teacher - log pi_rollout)` per token is added
+  after whitening (`relax.algorithms.opd_advantages`), the teacher's log-probs from the teacher role.
 
 KL_t (reward shaping) is `kl_estimate(old_logprobs, ref_logprobs, --kl-loss-type)`, the rollout
 policy's log-probs (trainer-recomputed, or the engine's with --use-rollout-logprobs) against the
@@ -26,7 +31,7 @@ from relax.data.sample import Sample
 
 GROUP_ESTIMATORS = {"grpo", "gspo", "sapo", "cispo", "on_policy_distillation"}
 TOKEN_ESTIMATORS = {"reinforce_plus_plus", "reinforce_plus_plus_baseline"}
-SUPPORTED = frozenset(GROUP_ESTIMATORS | TOKEN_ESTIMATORS | {"rloo"})
+SUPPORTED = frozenset(GROUP_ESTIMATORS | TOKEN_ESTIMATORS | {"rloo", "ppo"})
 
 
 def pad_rows(rows: Sequence[Sequence[float] | torch.Tensor], width: int, dtype=torch.float32) -> torch.Tensor:
@@ -63,10 +68,33 @@ def compute_advantages(
     *,
     old_logprobs: Sequence[torch.Tensor] | None = None,
     ref_logprobs: Sequence[torch.Tensor] | None = None,
+    values: Sequence[torch.Tensor] | None = None,
+    teacher_logprobs: Sequence[torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor], dict[str, float]]:
     """Per-token advantages (one float32 tensor per sample, length = its response) and metrics.
 
-    `old_logprobs` / `ref_logprobs` (per sample, over the response) are needed with `--kl-coef`.
+    See `compute_advantages_and_returns` for the inputs."""
+    adv, _, metrics = compute_advantages_and_returns(samples, config, old_logprobs=old_logprobs,
+                                                     ref_logprobs=ref_logprobs, values=values,
+                                                     teacher_logprobs=teacher_logprobs)
+    return adv, metrics
+
+
+def compute_advantages_and_returns(
+    samples: Sequence[Sample],
+    config: Any,
+    *,
+    old_logprobs: Sequence[torch.Tensor] | None = None,
+    ref_logprobs: Sequence[torch.Tensor] | None = None,
+    values: Sequence[torch.Tensor] | None = None,
+    teacher_logprobs: Sequence[torch.Tensor] | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, dict[str, float]]:
+    """(per-token advantages, per-token returns or None, metrics); one float32 tensor per sample, over its
+    response.
+
+    All inputs are per sample, over the response: `old_logprobs` (the rollout policy's) and `ref_logprobs`
+    are needed with `--kl-coef`; `values` (the critic's) with `ppo`, which alone yields returns;
+    `old_logprobs` and `teacher_logprobs` with `--use-opd`.
     """
     est = config.advantage_estimator
     if est not in SUPPORTED:
@@ -84,9 +112,16 @@ def compute_advantages(
                              mask=mask)
         metrics["kl_reward"] = float(kl.sum() / mask.sum().clamp_min(1))
     rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float32)
+    returns = None
     if est == "reinforce_plus_plus":
         adv = alg.reinforce_plus_plus_advantages(rewards, mask, kl=kl, kl_coef=kl_coef, gamma=config.gamma,
                                                  whiten_advantages=False)
+    elif est == "ppo":
+        if values is None:
+            raise ValueError("--advantage-estimator ppo needs the critic's values")
+        token_rewards = alg.kl_penalized_token_rewards(rewards, mask, kl=kl, kl_coef=kl_coef)
+        adv, returns = alg.gae_advantages(token_rewards, pad_rows(values, width), mask, gamma=config.gamma,
+                                          lam=config.lambd)
     elif est == "reinforce_plus_plus_baseline":
         groups = torch.tensor([int(s.group_index) for s in samples], dtype=torch.long)
         adv = alg.reinforce_plus_plus_baseline_advantages(rewards, groups, mask, kl=kl, kl_coef=kl_coef,
@@ -100,8 +135,16 @@ def compute_advantages(
             adv = alg.broadcast_to_tokens(per_sample, mask)
     if config.normalize_advantages:
         adv = alg.whiten(adv, mask)
+    if getattr(config, "use_opd", False):
+        if old_logprobs is None or teacher_logprobs is None:
+            raise ValueError("--use-opd needs the rollout policy's and the teacher's log-probs")
+        student, teacher = pad_rows(old_logprobs, width), pad_rows(teacher_logprobs, width)
+        adv = adv + alg.opd_advantages(student, teacher, mask, coef=float(config.opd_kl_coef))
+        metrics["opd_reverse_kl"] = float(((student - teacher) * mask).sum() / mask.sum().clamp_min(1))
     adv = adv.float()
-    return [adv[i, :n].clone() for i, n in enumerate(lengths)], metrics
+    rows = [adv[i, :n].clone() for i, n in enumerate(lengths)]
+    ret_rows = [returns[i, :n].float().clone() for i, n in enumerate(lengths)] if returns is not None else None
+    return rows, ret_rows, metrics
 
 
 def trainer_inputs(samples: Sequence[Sample], advantages: Sequence[torch.Tensor] | torch.Tensor) -> list[dict[str, Any]]:

@@ -153,3 +153,32 @@ class PolicyObjective:
         # A non-finite loss is not raised here (one rank raising inside a collective would hang the others):
         # MegatronTrainer.train_step checks the reduced loss and the gradients on every rank.
         return loss, report
+
+
+class ValueObjective:
+    """The critic's loss for `MegatronTrainer.train_step` on a value-head model (`values` arrive in place of
+    log-probs): the PPO clipped value loss `relax.algorithms.value_loss` against batch `returns`, clipped
+    around batch `old_values` (the critic's values when the step's samples were scored) by `--value-clip`,
+    reduced like the policy loss (`--calculate-per-token-loss`: token mean, else sample mean).
+
+    Metrics: value_loss, values_mean (current values, masked token mean), clip_fraction."""
+
+    needs_entropy = False
+
+    def __init__(self, *, value_clip: float | None, per_token_loss: bool):
+        self.value_clip = value_clip
+        self.reduction = "token_mean" if per_token_loss else "sample_mean"
+        self.loss_weighting = "tokens" if per_token_loss else "samples"
+
+    @classmethod
+    def from_config(cls, config: Any) -> "ValueObjective":
+        return cls(value_clip=config.value_clip, per_token_loss=bool(config.calculate_per_token_loss))
+
+    def __call__(self, values: torch.Tensor, entropy: torch.Tensor | None, batch: dict[str, torch.Tensor],
+                 mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        per_token, metrics = alg.value_loss(values, batch["old_values"], batch["returns"], mask,
+                                            value_clip=self.value_clip)
+        loss = alg.reduce_loss(per_token, mask, self.reduction)
+        count = mask.sum().clamp_min(1)
+        return loss, {"value_loss": loss.detach(), "values_mean": ((values.detach() * mask).sum() / count),
+                      "clip_fraction": metrics["clip_fraction"]}

@@ -19,25 +19,59 @@ def needs_reference(config: Any) -> bool:
     return bool(config.use_kl_loss) or bool(config.kl_coef)
 
 
-def _check_extras(samples: Sequence[Sample], extras: dict[str, Any], step: int) -> None:
-    ref = extras.get("ref_logprobs")
-    if ref is None:
-        return
-    if len(ref) != len(samples):
-        raise RuntimeError(f"step {step}: {len(ref)} reference log-prob rows for {len(samples)} samples")
-    index = extras.get("ref_sample_index")
+def needs_critic(config: Any) -> bool:
+    return config.advantage_estimator == "ppo"
+
+
+def needs_teacher(config: Any) -> bool:
+    return bool(getattr(config, "use_opd", False)) and getattr(config, "opd_type", None) == "megatron"
+
+
+def actor_updates_at(config: Any, step: int) -> bool:
+    """False while only the critic trains: --critic-train-only, or the first --num-critic-only-steps steps."""
+    return not (getattr(config, "critic_train_only", False) or step < (getattr(config, "num_critic_only_steps", 0)
+                                                                         or 0))
+
+
+# per-sample rows an auxiliary role sends in `extras`: (rows key, sample-index key, what)
+_EXTRA_ROWS = (("ref_logprobs", "ref_sample_index", "reference log-probs"),
+               ("values", "values_sample_index", "critic values"),
+               ("teacher_logprobs", "teacher_sample_index", "teacher log-probs"))
+
+
+def check_rows(samples: Sequence[Sample], rows: Sequence[Sequence[float]], index: Sequence[int] | None,
+               what: str, step: int) -> None:
+    if len(rows) != len(samples):
+        raise RuntimeError(f"step {step}: {len(rows)} rows of {what} for {len(samples)} samples")
     if index is not None and list(index) != [s.index for s in samples]:
-        raise RuntimeError(f"step {step}: reference log-probs were computed for other samples")
-    for row, s in zip(ref, samples):
+        raise RuntimeError(f"step {step}: {what} were computed for other samples")
+    for row, s in zip(rows, samples):
         if len(row) != len(s.response_tokens):
             raise RuntimeError(f"step {step}: sample {s.index} has {len(s.response_tokens)} response tokens, "
-                               f"reference log-probs {len(row)}")
+                               f"{what} {len(row)}")
+
+
+def _check_extras(samples: Sequence[Sample], extras: dict[str, Any], step: int) -> None:
+    for key, index_key, what in _EXTRA_ROWS:
+        if extras.get(key) is not None:
+            check_rows(samples, extras[key], extras.get(index_key), what, step)
+
+
+def _rows(extras: dict[str, Any], key: str) -> list[torch.Tensor] | None:
+    rows = extras.get(key)
+    return [torch.tensor(r, dtype=torch.float32) for r in rows] if rows is not None else None
 
 
 def train_rollout(trainer, samples: Sequence[Sample], config: Any, extras: dict[str, Any] | None = None,
-                  step: int = 0) -> dict[str, float]:
-    """Advantages, old/reference log-probs, then `num_updates` optimizer steps on this rank's share."""
-    from relax.training.advantages import compute_advantages, trainer_inputs
+                  step: int = 0) -> dict[str, Any]:
+    """Advantages, old/reference log-probs, then `num_updates` optimizer steps on this rank's share.
+
+    `extras` (from relax.core.roles): `ref_logprobs`, `values` (ppo's critic), `teacher_logprobs` (--use-opd),
+    each one row per sample. With ppo the result also holds `CRITIC_RETURNS_KEY`: the GAE returns per sample
+    (lists of floats, not a metric), which the critic role takes out of the metrics as its targets.
+    While only the critic trains (`actor_updates_at` False) advantages and returns are computed but the actor
+    makes no update."""
+    from relax.training.advantages import compute_advantages_and_returns, trainer_inputs
     from relax.training.objective import PolicyObjective
 
     t0 = time.perf_counter()
@@ -50,7 +84,16 @@ def train_rollout(trainer, samples: Sequence[Sample], config: Any, extras: dict[
     if (objective.needs_ref or config.kl_coef) and ref_rows is None:
         raise RuntimeError(f"step {step}: --use-kl-loss / --kl-coef need reference log-probs, but no reference "
                            "role sent them")
-    ref = [torch.tensor(r, dtype=torch.float32) for r in ref_rows] if ref_rows is not None else None
+    ref = _rows(extras, "ref_logprobs")
+    values = _rows(extras, "values")
+    teacher = _rows(extras, "teacher_logprobs")
+    if needs_critic(config) and values is None:
+        raise RuntimeError(f"step {step}: --advantage-estimator ppo needs the critic's values, but no critic role "
+                           "sent them")
+    use_opd = bool(getattr(config, "use_opd", False))
+    if use_opd and teacher is None:
+        raise RuntimeError(f"step {step}: --use-opd needs the teacher's log-probs, but no teacher role sent them")
+    update_actor = actor_updates_at(config, step)
     layout = trainer.layout
     temperature = config.rollout_temperature
     gbs = config.global_batch_size or len(samples)
@@ -59,9 +102,10 @@ def train_rollout(trainer, samples: Sequence[Sample], config: Any, extras: dict[
     olds = None
     if config.use_rollout_logprobs:
         olds = [x["rollout_logprobs"] for x in base]
-    elif num_updates > 1 or config.kl_coef:
+    elif num_updates > 1 or config.kl_coef or use_opd:
         olds = trainer.compute_logprobs(base, temperature)
-    advantages, adv_metrics = compute_advantages(samples, config, old_logprobs=olds, ref_logprobs=ref)
+    advantages, returns, adv_metrics = compute_advantages_and_returns(
+        samples, config, old_logprobs=olds, ref_logprobs=ref, values=values, teacher_logprobs=teacher)
     inputs = trainer_inputs(samples, advantages)
     for i, x in enumerate(inputs):
         if olds is not None:
@@ -69,7 +113,7 @@ def train_rollout(trainer, samples: Sequence[Sample], config: Any, extras: dict[
         if ref is not None:
             x["ref_logprobs"] = ref[i]
     metrics: dict[str, list[float]] = {}
-    for update in range(num_updates):
+    for update in range(num_updates if update_actor else 0):
         batch = inputs[update * gbs:(update + 1) * gbs]
         mine = batch[layout.dp_rank::layout.dp]
         try:
@@ -82,16 +126,76 @@ def train_rollout(trainer, samples: Sequence[Sample], config: Any, extras: dict[
                                          "the update was not applied")
         for key, value in out.items():
             metrics.setdefault(key, []).append(value)
-    if config.reset_optimizer_states:
+    if config.reset_optimizer_states and update_actor:
         trainer.reset_optimizer_states()
-    result = {f"train/{k}": sum(v) / len(v) for k, v in metrics.items()}
+    result: dict[str, Any] = {f"train/{k}": sum(v) / len(v) for k, v in metrics.items()}
     for key, value in adv_metrics.items():
         result[f"train/{key}"] = value
     if "train/kl" not in result and "train/kl_reward" in result:
         result["train/kl"] = result["train/kl_reward"]
     if "ref_seconds" in extras:
         result["perf/ref_logprob_time"] = float(extras["ref_seconds"])
-    result["train/num_updates"] = float(num_updates)
+    if "teacher_seconds" in extras:
+        result["perf/teacher_logprob_time"] = float(extras["teacher_seconds"])
+    if "critic_seconds" in extras:
+        result["perf/critic_value_time"] = float(extras["critic_seconds"])
+    result["train/num_updates"] = float(num_updates if update_actor else 0)
+    if values is not None:
+        result["train/advantages_mean"] = _masked_mean(advantages, inputs)
+    if returns is not None:
+        result[CRITIC_RETURNS_KEY] = [r.tolist() for r in returns]
     result["train/tokens"] = float(sum(len(x["tokens"]) for x in inputs))
     result["perf/train_compute_time"] = time.perf_counter() - t0
+    return result
+
+
+CRITIC_RETURNS_KEY = "critic_returns"  # not a metric: the critic role pops it from the actor's result
+
+
+def _masked_mean(rows: Sequence[torch.Tensor], inputs: Sequence[dict[str, Any]]) -> float:
+    total = sum(float((r * (x["loss_mask"] > 0)).sum()) for r, x in zip(rows, inputs))
+    count = sum(float((x["loss_mask"] > 0).sum()) for x in inputs)
+    return total / max(count, 1.0)
+
+
+def train_critic(trainer, samples: Sequence[Sample], config: Any, old_values: Sequence[Sequence[float]],
+                 returns: Sequence[Sequence[float]], step: int = 0) -> dict[str, float]:
+    """The critic's updates of one step on one rank: the value loss (`ValueObjective`) against the GAE returns,
+    clipped around `old_values` (the values the advantages were computed with); the same split into
+    --global-batch-size updates and data-parallel shares as the actor's. Metrics are `critic/...`."""
+    from relax.training.objective import ValueObjective
+
+    t0 = time.perf_counter()
+    if not samples:
+        raise RuntimeError(f"step {step}: no samples in the data plane")
+    check_rows(samples, old_values, None, "old critic values", step)
+    check_rows(samples, returns, None, "critic returns", step)
+    objective = ValueObjective.from_config(config)
+    inputs = []
+    for s, v, r in zip(samples, old_values, returns):
+        n = len(s.response_tokens)
+        inputs.append({"tokens": torch.tensor(s.prompt_tokens + s.response_tokens, dtype=torch.long),
+                       "response_length": n,
+                       "loss_mask": torch.tensor(s.loss_mask or [1] * n, dtype=torch.float32),
+                       "old_values": torch.tensor(v, dtype=torch.float32),
+                       "returns": torch.tensor(r, dtype=torch.float32)})
+    gbs = config.global_batch_size or len(samples)
+    num_updates = max(1, len(samples) // gbs)
+    layout = trainer.layout
+    metrics: dict[str, list[float]] = {}
+    for update in range(num_updates):
+        mine = inputs[update * gbs:(update + 1) * gbs][layout.dp_rank::layout.dp]
+        try:
+            out = trainer.train_step(mine, objective)
+        except FloatingPointError as exc:
+            raise FloatingPointError(f"step {step} (critic update {update}): {exc}") from None
+        if not math.isfinite(out.get("grad_norm", 0.0)):
+            raise FloatingPointError(f"step {step} (critic update {update}): critic/grad_norm is {out['grad_norm']}")
+        for key, value in out.items():
+            metrics.setdefault(key, []).append(value)
+    result = {f"critic/{k}": sum(v) / len(v) for k, v in metrics.items() if k not in ("skipped", "loss_scale")}
+    result["critic/returns_mean"] = _masked_mean([x["returns"] for x in inputs], inputs)
+    result["critic/old_values_mean"] = _masked_mean([x["old_values"] for x in inputs], inputs)
+    result["critic/num_updates"] = float(num_updates)
+    result["perf/critic_train_time"] = time.perf_counter() - t0
     return result

@@ -148,6 +148,8 @@ def _param_infos(model: torch.nn.Module, arch: ModelArch) -> list[_ParamInfo]:
     gpt = unwrap_model(model)
     infos: list[_ParamInfo] = []
     for name, param in gpt.named_parameters():
+        if getattr(param, "relax_value_head", False):
+            continue  # a critic's value head (relax.backends.megatron.model.ValueHead) has no HF tensor
         if name == "embedding.word_embeddings.weight":
             infos.append(_ParamInfo(name, param, "copy", ["model.embed_tokens.weight"], is_vocab=True))
             continue

@@ -14,7 +14,7 @@ import torch
 from relax.backends.megatron.arch import ModelArch
 from relax.backends.megatron.cpu_compat import apply_cpu_compat, compute_device
 
-__all__ = ["build_gpt_model", "te_available", "layer_spec"]
+__all__ = ["build_gpt_model", "te_available", "layer_spec", "ValueHead", "is_value_head_param"]
 
 
 def te_available() -> bool:
@@ -41,6 +41,37 @@ def layer_spec(arch: ModelArch, use_te: bool):
     )
 
 
+class ValueHead(torch.nn.Module):
+    """Scalar value per position, in place of a GPTModel's LM head (critic models).
+
+    Called like Megatron's output layer: `head(hidden [s, b, h], weight=None, runtime_gather_output=None)
+    -> (values [s, b, 1], None)`, so `GPTModel.forward` returns values `[b, s, 1]` where it returns logits.
+    The head is replicated (not split) over tensor-parallel ranks: the final hidden states are complete
+    on every rank without sequence parallelism, so its gradients agree across ranks without a reduction;
+    Megatron's grad-norm counts it once (it is a tensor-parallel duplicate). Initialised from `seed`
+    (identically on every rank): weight ~ N(0, std^2), bias 0.
+    """
+
+    def __init__(self, hidden_size: int, *, std: float = 0.02, seed: int = 0,
+                 params_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        gen = torch.Generator().manual_seed(int(seed))
+        self.value = torch.nn.Linear(hidden_size, 1, bias=True, dtype=params_dtype)
+        with torch.no_grad():
+            self.value.weight.copy_(torch.randn(1, hidden_size, generator=gen) * std)
+            self.value.bias.zero_()
+        for param in self.value.parameters():
+            param.relax_value_head = True  # not an HF tensor: skipped by the HF loader/exporter
+        self.sequence_parallel = False  # read by GPTModel's inference path
+
+    def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+        return self.value(hidden_states), None
+
+
+def is_value_head_param(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "relax_value_head", False))
+
+
 def build_gpt_model(
     arch: ModelArch,
     transformer_config,
@@ -49,12 +80,17 @@ def build_gpt_model(
     pre_process: Optional[bool] = None,
     post_process: Optional[bool] = None,
     vp_stage: Optional[int] = None,
+    value_head: bool = False,
+    value_head_seed: int = 0,
 ):
     """A `GPTModel` for this rank's pipeline stage, on the compute device.
 
     `use_te=None` picks Transformer Engine when `te_available()`. With the
     config's `use_cpu_initialization` parameters are initialised on the CPU
     (identically for any TP size) and then moved to the compute device.
+
+    `value_head=True` builds a critic: untied embeddings, and the last stage's LM head replaced by a
+    `ValueHead` (the model returns values [b, s, 1] instead of logits).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -74,7 +110,7 @@ def build_gpt_model(
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=True,
-        share_embeddings_and_output_weights=not arch.untie_embeddings_and_output_weights,
+        share_embeddings_and_output_weights=not arch.untie_embeddings_and_output_weights and not value_head,
         position_embedding_type="rope",
         rotary_percent=arch.rotary_percent,
         rotary_base=arch.rotary_base,
@@ -82,4 +118,10 @@ def build_gpt_model(
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
         vp_stage=vp_stage,
     )
+    if value_head:
+        if transformer_config.sequence_parallel:
+            raise NotImplementedError("a value head with sequence parallelism is not supported yet")
+        if post_process:
+            model.output_layer = ValueHead(arch.hidden_size, std=transformer_config.init_method_std,
+                                           seed=value_head_seed, params_dtype=transformer_config.params_dtype)
     return model.to(compute_device())

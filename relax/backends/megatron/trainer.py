@@ -80,6 +80,9 @@ class TrainerSettings:
     # Dynamic batch size: micro-batches by a padded-token budget instead of micro_batch_size.
     max_tokens_per_micro_batch: Optional[int] = None
     logprob_max_tokens_per_micro_batch: Optional[int] = None
+    # Critic: the LM head is replaced by a scalar value head (relax.backends.megatron.model.ValueHead);
+    # `compute_values` instead of `compute_logprobs`, and `train_step`'s loss_fn gets values, not log-probs.
+    value_head: bool = False
 
 
 def select_frozen(names: Sequence[str], trainable: Sequence[str], frozen: Sequence[str]) -> set[str]:
@@ -167,7 +170,8 @@ class MegatronTrainer:
             recompute_granularity="full" if settings.recompute_activations else None,
             use_cpu_initialization=compute_device().type == "cpu",
         )
-        gpt = build_gpt_model(arch, self.config, settings.use_te)
+        gpt = build_gpt_model(arch, self.config, settings.use_te, value_head=settings.value_head,
+                              value_head_seed=settings.seed)
         self.frozen_names: set[str] = set()
         if settings.forward_only:
             for param in gpt.parameters():
@@ -239,11 +243,12 @@ class MegatronTrainer:
         if self.optimizer is not None:
             self.optimizer.reload_model_params()
 
-    def load_weights(self, path: str | Path, step: Optional[int] = None) -> str:
-        """Load model weights only, from a Relax checkpoint (dir, save root or iter dir; same parallel
-        layout) or an HF folder. Returns "relax" or "hf"."""
+    def load_weights(self, path: str | Path, step: Optional[int] = None, role: str = "actor") -> str:
+        """Load model weights only, from a Relax checkpoint (dir, save root or iter dir holding `<role>`;
+        same parallel layout) or an HF folder (a critic takes the body; its value head stays). Returns
+        "relax" or "hf"."""
         apply_cpu_compat()
-        kind, where = resolve_model_checkpoint(path, step)
+        kind, where = resolve_model_checkpoint(path, step, role=role)
         if kind == "hf":
             self.load_hf(where)
         else:
@@ -346,6 +351,15 @@ class MegatronTrainer:
             entropy = entropy.masked_fill(~valid, 0.0)
         return logprobs, entropy
 
+    def _response_values(self, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """[B, R] float32 values of the response tokens' states: the value head's output at the position
+        that predicts each response token (the state before it is generated); 0 at padding."""
+        values = output.squeeze(-1).float().gather(1, mb.logit_index)
+        valid = torch.arange(mb.targets.shape[1], device=values.device).unsqueeze(0) < torch.tensor(
+            mb.response_lengths, device=values.device
+        ).unsqueeze(1)
+        return values.masked_fill(~valid, 0.0)
+
     def _run(self, micro_batches: list[MicroBatch], step_fn, forward_only: bool) -> list[dict]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -404,6 +418,32 @@ class MegatronTrainer:
                     result.append(row[:length].clone())
         return self._broadcast_from_last_stage(result)
 
+    @torch.no_grad()
+    def compute_values(self, samples: Sequence[dict[str, Any]]) -> list[torch.Tensor]:
+        """Critic values (float32, CPU) of each sample's response tokens (needs `value_head`)."""
+        apply_cpu_compat()
+        if not self.settings.value_head:
+            raise RuntimeError("compute_values needs a MegatronTrainer built with value_head=True")
+        budget = self.settings.logprob_max_tokens_per_micro_batch or self.settings.max_tokens_per_micro_batch
+        micro_batches = self._micro_batches(samples, budget)
+
+        def step(mb: MicroBatch, output: torch.Tensor):
+            return output.new_zeros(()), {"values": self._response_values(output, mb).detach().cpu()}
+
+        self.model.eval()
+        try:
+            outputs = self._run(micro_batches, step, forward_only=True)
+        finally:
+            if not self.settings.forward_only:
+                self.model.train()
+        result: Optional[list[torch.Tensor]] = None
+        if self.layout.is_last_stage:
+            result = []
+            for out, mb in zip(outputs, micro_batches):
+                for row, length in zip(out["values"], mb.response_lengths):
+                    result.append(row[:length].clone())
+        return self._broadcast_from_last_stage(result)
+
     def train_step(
         self,
         samples: Sequence[dict[str, Any]],
@@ -413,6 +453,7 @@ class MegatronTrainer:
         with_entropy: Optional[bool] = None,
     ) -> dict[str, float]:
         """One optimizer step on this rank's samples; returns metrics averaged over all ranks.
+        With `value_head` (a critic) `loss_fn` receives the values [B, T] in place of log-probs (entropy None).
 
         Metrics: `loss` (mean of loss_fn's loss), `grad_norm`, `lr` (used by this
         update; update k of a warm-up uses lr_init + (lr - lr_init) * k / warmup), `skipped`
@@ -454,7 +495,10 @@ class MegatronTrainer:
                        for mb, w in zip(micro_batches, local)}
 
         def step(mb: MicroBatch, logits: torch.Tensor):
-            logprobs, entropy = self._response_logprobs(logits, mb, temperature, with_entropy)
+            if self.settings.value_head:  # a critic: the loss function gets values [B, R] in place of log-probs
+                logprobs, entropy = self._response_values(logits, mb), None
+            else:
+                logprobs, entropy = self._response_logprobs(logits, mb, temperature, with_entropy)
             loss, metrics = loss_fn(logprobs, entropy, mb.fields, mb.mask)
             report = {"loss": loss.detach().float()}
             for key, value in metrics.items():

@@ -1,0 +1,119 @@
+"""Critic role (`--advantage-estimator ppo`): one Ray actor per rank, in the actor's parallel layout, wrapping a
+`MegatronTrainer` whose GPT model ends in a scalar value head (`relax.backends.megatron.model.ValueHead`).
+
+Weights: the body from `--hf-checkpoint` with a fresh value head, then `--critic-load` if it names something
+else than `--load` (a critic checkpoint dir, a save root holding `iter_XXXXXXX/critic`, or an HF folder: body
+only). Resuming from `--load` restores the critic saved with that iteration (model, optimizer, scheduler).
+Optimizer: its own Adam with `--critic-lr` (default `--lr`) and `--critic-lr-warmup-iters`; the other
+optimizer and schedule flags are the actor's.
+
+Per step (driven by `relax.core.roles.CriticGroup`): `compute(step)` gives the values of this data-parallel
+rank's share of the step's samples (before the actor trains); `train(step, old_values, returns)` runs the
+clipped value-loss updates (`relax.training.step.train_critic`) once the actor has produced the GAE returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import time
+from typing import Any
+
+import ray
+
+
+def critic_settings(config: Any):
+    from relax.roles.trainer import trainer_settings
+
+    base = trainer_settings(config)
+    warmup = int(config.critic_lr_warmup_iters or 0)
+    decay = base.lr_decay_iters
+    if decay is not None and warmup >= decay:  # Megatron's scheduler needs decay steps beyond the warm-up
+        decay = warmup + 1
+    return dataclasses.replace(base, value_head=True, lr=float(config.critic_lr if config.critic_lr is not None
+                                                                else config.lr),
+                               lr_warmup_iters=warmup, lr_decay_iters=decay, trainable_params=(), frozen_params=())
+
+
+@ray.remote
+class CriticWorker:
+    """One rank of the critic group. All ranks are called together for collectives."""
+
+    def __init__(self, config: Any, rank: int, world_size: int, threads: int = 1):
+        import torch
+
+        torch.set_num_threads(max(1, threads))
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.trainer = None
+        self.data = None
+
+    def master_address(self) -> tuple[str, int]:
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return host, sock.getsockname()[1]
+
+    def setup(self, master_addr: str, master_port: int, backend: str) -> dict[str, Any]:
+        from transformers import AutoConfig
+
+        from relax.backends.megatron.arch import ModelArch
+        from relax.backends.megatron.cpu_compat import apply_cpu_compat
+        from relax.backends.megatron.parallel import init_distributed
+        from relax.backends.megatron.trainer import MegatronTrainer
+        from relax.data.plane import DataPlane
+
+        apply_cpu_compat()
+        init_distributed(self.rank, self.world_size, master_addr, master_port, backend=backend,
+                         timeout_minutes=self.config.distributed_timeout_minutes)
+        arch = ModelArch.from_hf_config(AutoConfig.from_pretrained(self.config.hf_checkpoint))
+        self.trainer = MegatronTrainer(arch, critic_settings(self.config))
+        self.trainer.load_hf(self.config.hf_checkpoint)
+        source = "hf body + fresh value head"
+        load = self.config.critic_load
+        if load and load != self.config.load:  # --load itself is restored by the controller's resume
+            source = self.trainer.load_weights(load, role="critic") + f" {load}"
+        self.data = DataPlane.attach()
+        return {"rank": self.rank, "dp": self.trainer.layout.dp, "source": source,
+                "params": sum(p.numel() for p in self.trainer.gpt_model.parameters())}
+
+    def compute(self, step: int) -> dict[str, Any]:
+        """Values of this data-parallel rank's share (samples[dp_rank::dp]) of step `step`."""
+        import torch
+
+        t0 = time.perf_counter()
+        samples = self.data.get(step)
+        layout = self.trainer.layout
+        positions = list(range(len(samples)))[layout.dp_rank::layout.dp]
+        inputs = [{"tokens": torch.tensor(samples[i].prompt_tokens + samples[i].response_tokens, dtype=torch.long),
+                   "response_length": len(samples[i].response_tokens)} for i in positions]
+        values = self.trainer.compute_values(inputs) if inputs else []
+        return {"num_samples": len(samples), "index": [s.index for s in samples], "positions": positions,
+                "values": [v.tolist() for v in values], "seconds": time.perf_counter() - t0}
+
+    def train(self, step: int, old_values: list[list[float]], returns: list[list[float]]) -> dict[str, float]:
+        from relax.training.step import train_critic
+
+        samples = self.data.get(step)
+        return train_critic(self.trainer, samples, self.config, old_values, returns, step)
+
+    def save(self, path: str) -> str:
+        return str(self.trainer.save_checkpoint(path))
+
+    def load(self, path: str) -> int:
+        return self.trainer.load_checkpoint(path)
+
+    def weights_checksum(self) -> float:
+        import torch
+
+        with torch.no_grad():
+            return float(sum(p.double().abs().sum() for p in self.trainer.gpt_model.parameters()))
+
+    def shutdown(self) -> None:
+        from relax.backends.megatron.parallel import destroy
+
+        try:
+            destroy()
+        except Exception:  # best effort at exit
+            pass
