@@ -45,8 +45,13 @@ _E2E_LOOP = {
 
 from relax.config.support_rollout import ROLLOUT_FEATURES  # noqa: E402
 from relax.config.support_training import TRAINING_FEATURES, TRAINING_SUPPORTED_VALUES  # noqa: E402
+from relax.config.support_weights import WEIGHTS_FEATURES, WEIGHTS_FEATURES_AFTER_TRAINER_PATCH  # noqa: E402
 
-IMPLEMENTED: frozenset[str] = frozenset(_CONFIG_LAYER | _E2E_LOOP | TRAINING_FEATURES | ROLLOUT_FEATURES)
+# TrainerWorker.push_weights goes through relax.weights.sync.push_for_config, which reads these.
+_WEIGHT_SYNC = {"weight_sync_method"} | set(WEIGHTS_FEATURES_AFTER_TRAINER_PATCH)
+
+IMPLEMENTED: frozenset[str] = frozenset(_CONFIG_LAYER | _E2E_LOOP | TRAINING_FEATURES | ROLLOUT_FEATURES
+                                        | WEIGHTS_FEATURES | _WEIGHT_SYNC)
 
 # Flags whose feature is built for some values only: dest -> supported values.
 SUPPORTED_VALUES: dict[str, frozenset] = {

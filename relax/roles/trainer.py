@@ -107,13 +107,13 @@ class TrainerWorker:
 
     def push_weights(self, engine_urls: list[str], version: int, buffer_bytes: int) -> dict[str, Any]:
         """Every rank takes part in gathering; rank 0 sends the HF-named tensors to every engine."""
-        from relax.weights.sync import push_named_tensors
+        from relax.weights.sync import push_for_config
 
         t0 = time.perf_counter()
         named = list(self.trainer.export_hf_weights())
         if self.rank != 0:
             return {}
-        report = push_named_tensors(named, engine_urls, version, buffer_bytes)
+        report = push_for_config(named, engine_urls, version, self.config)
         report["export_seconds"] = time.perf_counter() - t0 - report["seconds"]
         return report
 

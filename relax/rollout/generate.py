@@ -3,6 +3,12 @@
 Prompts are sent as token ids, and the response tokens and their log-probs are taken from the
 engine's reply as they are (no re-tokenization), so what is trained is exactly what was generated.
 
+Sampling seeds: every request of `generate_one` carries SGLang's `sampling_params["sampling_seed"]`,
+derived from `--rollout-seed`, the rollout step, the prompt group and the sample's place in its group
+(`sample_seed`). An engine that honours it (the embedded engine always does; SGLang with deterministic
+inference) then samples the same tokens for the same sample whatever the batching, the engine that
+serves it or a restart in between, so a resumed run regenerates exactly the rollouts of a straight one.
+
 `call_engine` is the single HTTP call (with timeout and retries) that the default per-sample
 generation and custom generate functions (multi-turn, tool calls) share. `generate_one` fills one
 sample's response, resuming an aborted partial response when the sample carries one.
@@ -21,6 +27,46 @@ from relax.data.sample import STATUS_ABORTED, STATUS_COMPLETED, STATUS_TRUNCATED
 
 logger = logging.getLogger(__name__)
 
+_MASK64 = (1 << 64) - 1
+# --rollout-seed of this process's run (set by SamplingSettings.from_config); None: no seeds are sent.
+_ROLLOUT_SEED: int | None = None
+# Place of each sample in its group, by (rollout step, group index): the n-th request of a group gets slot n.
+# Requests of a group are issued in group order (asyncio runs the group's tasks in creation order and the
+# concurrency semaphore wakes waiters first-in first-out), so the slots follow the group's sample order.
+_SLOTS: dict[tuple[int, int], int] = {}
+
+
+def _mix64(*values: int) -> int:
+    z = 0x2545F4914F6CDD1D
+    for v in values:
+        z = (z ^ (int(v) & _MASK64)) * 0x9E3779B97F4A7C15 & _MASK64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        z ^= z >> 31
+    return z
+
+
+def sample_seed(rollout_seed: int, rollout_step: int, group_index: int, slot: int) -> int:
+    """The sampling seed of one sample: a 31-bit hash of (--rollout-seed, step, group, place in group)."""
+    return _mix64(rollout_seed, rollout_step, group_index, slot) & 0x7FFFFFFF
+
+
+def set_rollout_seed(seed: int | None) -> None:
+    global _ROLLOUT_SEED
+    _ROLLOUT_SEED = None if seed is None else int(seed)
+
+
+def _seed_for(sample: Sample) -> int | None:
+    if _ROLLOUT_SEED is None:
+        return None
+    key = (int(sample.rollout_step), int(sample.group_index))
+    if len(_SLOTS) > 4096:  # forget old steps
+        for k in [k for k in _SLOTS if k[0] < key[0] - 1]:
+            del _SLOTS[k]
+    slot = _SLOTS.get(key, 0)
+    _SLOTS[key] = slot + 1
+    return sample_seed(_ROLLOUT_SEED, key[0], key[1], slot)
+
 
 @dataclass(frozen=True)
 class SamplingSettings:
@@ -38,6 +84,8 @@ class SamplingSettings:
     def from_config(cls, config: Any, prefix: str = "rollout") -> "SamplingSettings":
         """The `--rollout-*` settings, or with prefix="eval" the `--eval-*` ones (fallbacks are
         derived in the config)."""
+        if "rollout_seed" in config and config.rollout_seed is not None:
+            set_rollout_seed(config.rollout_seed)
         stop = config[f"{prefix}_stop"] if f"{prefix}_stop" in config else config.rollout_stop
         min_new = config[f"{prefix}_min_new_tokens"] if f"{prefix}_min_new_tokens" in config else None
         return cls(temperature=config[f"{prefix}_temperature"], top_p=config[f"{prefix}_top_p"],
@@ -133,6 +181,10 @@ async def generate_one(session: aiohttp.ClientSession, url: str, sample: Sample,
     """
     done = list(sample.response_tokens) if sample.status == STATUS_ABORTED else []
     params = dict(sampling)
+    if "sampling_seed" not in params:
+        seed = _seed_for(sample)
+        if seed is not None:
+            params["sampling_seed"] = seed
     if max_context_len:
         room = max_context_len - len(sample.prompt_tokens) - len(done)
         params["max_new_tokens"] = min(int(params["max_new_tokens"]), room + len(done))

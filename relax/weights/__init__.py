@@ -1,5 +1,8 @@
 """Weight sync from trainer to engines.
 
+- `sync`: the `WeightSync` interface and its paths (`tensor`, `disk`, `distributed`), versioned and
+  verified (`--check-weight-update-equal` reads every tensor back); `push_named_tensors` delegates to it.
+
 - `serialize`: SGLang's `/update_weights_from_tensor` payload (ForkingPickler + base64 over shared
   memory, flattened buckets, chunking into buffers of N bytes) and its restricted reader.
 - `distributed`: the `/init_weights_update_group` + `/update_weights_from_distributed` protocol

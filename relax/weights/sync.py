@@ -1,43 +1,380 @@
-"""Weight sync, trainer -> engines: versioned, verified, and loud when it fails.
+"""Weight sync, trainer -> engines: one interface, three transports, versioned, verified, loud on failure.
 
-`push_named_tensors` sends the HF-named tensors to each engine through SGLang's
-`/update_weights_from_tensor` (shared memory on one host) in buffers of `buffer_bytes`, then asks
-each engine which weight version it serves. An engine that does not report the new version is an
-error naming that engine; nothing is left silently stale.
+`WeightSync` implementations (pick one with `make_weight_sync(method, ...)`):
+
+- `tensor`: SGLang's `/update_weights_from_tensor`; the HF-named tensors go through shared memory on one
+  host in buffers of `buffer_bytes`, each staged once and posted to every engine concurrently.
+- `disk`: the tensors are written as safetensors (plus the HF config/tokenizer files when a source
+  folder is known, as real SGLang needs) into a fresh temporary folder, then every engine is told to
+  `/update_weights_from_disk` from it; the folder is removed afterwards.
+- `distributed`: SGLang's `/init_weights_update_group` (once, kept across updates) +
+  `/update_weights_from_distributed`: the trainer broadcasts each tensor over a torch.distributed
+  group (gloo on CPU, NCCL on GPUs) that every engine rank joins.
+
+Every push carries a weight version; afterwards each engine must report exactly that version
+(`/get_weight_version`). With `check_equal` (`--check-weight-update-equal`) every tensor is also read
+back in full with `/get_weights_by_name` and compared with what was sent. A failing, refused or
+timed-out sync raises `WeightSyncError` naming the engine; nothing is left silently stale.
+
+`push_named_tensors` (the function the trainer role calls) keeps its signature and delegates.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
+import tempfile
 import time
-from typing import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
 
 import torch
 
-from relax.backends.engine_client import EngineClient
+from relax.backends.engine_client import EngineClient, update_weights_from_tensor_many
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("tensor", "disk", "distributed")
+NamedTensors = Sequence[tuple[str, torch.Tensor]]
 
 
 class WeightSyncError(RuntimeError):
-    pass
+    """A weight sync failed; the message names the engine (URL) and what went wrong."""
+
+    def __init__(self, message: str, engine: str | None = None):
+        super().__init__(message)
+        self.engine = engine
 
 
-def push_named_tensors(named: Sequence[tuple[str, torch.Tensor]], engine_urls: Sequence[str], version: int,
-                       buffer_bytes: int, timeout_s: float = 300.0) -> dict:
-    t0 = time.perf_counter()
-    total_bytes = 0
-    for url in engine_urls:
-        client = EngineClient(url, timeout_s=timeout_s)
-        try:
+def _nbytes(named: NamedTensors) -> int:
+    return sum(t.numel() * t.element_size() for _, t in named)
+
+
+class WeightSync:
+    """Push HF-named tensors to a fixed set of engines. Subclasses implement `_send`."""
+
+    method = "?"
+
+    def __init__(self, engine_urls: Sequence[str], *, buffer_bytes: int = 512 << 20, timeout_s: float = 300.0,
+                 check_equal: bool = False, **_: Any):
+        self.engine_urls = [u if u.startswith(("http://", "https://")) else "http://" + u for u in engine_urls]
+        self.buffer_bytes = int(buffer_bytes)
+        self.timeout_s = float(timeout_s)
+        self.check_equal = bool(check_equal)
+        self.clients = [EngineClient(u, timeout_s=self.timeout_s) for u in self.engine_urls]
+        self.pushes = 0
+
+    # ------------------------------------------------------------------ public
+    def push(self, named: NamedTensors, version: int | str) -> dict[str, Any]:
+        """Send `named` to every engine as weight version `version` and verify. Returns a report:
+        seconds, bytes (sent, summed over engines), bytes_per_s, engines, method, send/verify seconds."""
+        named = [(n, t) for n, t in named]
+        if not self.clients:
+            return {"seconds": 0.0, "bytes": 0, "engines": 0, "bytes_per_s": 0.0, "method": self.method}
+        if not named:
+            raise WeightSyncError("no tensors to send")
+        t0 = time.perf_counter()
+        self._send(named, str(version))
+        t1 = time.perf_counter()
+        self.verify(named, str(version))
+        t2 = time.perf_counter()
+        self.pushes += 1
+        total = _nbytes(named) * len(self.clients)
+        return {"seconds": t2 - t0, "send_seconds": t1 - t0, "verify_seconds": t2 - t1, "bytes": total,
+                "engines": len(self.clients), "bytes_per_s": total / (t2 - t0) if t2 > t0 else 0.0,
+                "method": self.method}
+
+    def verify(self, named: NamedTensors, version: str) -> None:
+        """Every engine serves `version`; with `check_equal`, every tensor it holds equals the one sent."""
+        def check(client: EngineClient) -> None:
             try:
-                report = client.update_weights_from_tensor(named, weight_version=str(version),
-                                                           buffer_bytes=buffer_bytes)
+                served = client.get_weight_version()
             except Exception as exc:
-                raise WeightSyncError(f"weight sync to engine {url} failed: {exc}") from None
-            served = client.get_weight_version()
+                raise WeightSyncError(f"engine {client.base_url}: could not read its weight version after the "
+                                      f"sync to {version}: {exc}", client.base_url) from None
             if str(served) != str(version):
-                raise WeightSyncError(f"engine {url} serves weight version {served!r} after a sync to {version}")
-            total_bytes += report["num_bytes"]
+                raise WeightSyncError(f"engine {client.base_url} serves weight version {served!r} after a "
+                                      f"{self.method} sync to {version}", client.base_url)
+            if self.check_equal:
+                self._check_equal(client, named, version)
+
+        self._each(check)
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+
+    def __enter__(self) -> "WeightSync":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ helpers
+    def _send(self, named: NamedTensors, version: str) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _each(self, fn) -> None:
+        """fn(client) for every engine concurrently; raise the first failure as a WeightSyncError naming it."""
+        if len(self.clients) == 1:
+            results = [self._guard(fn, self.clients[0])]
+        else:
+            with ThreadPoolExecutor(max_workers=len(self.clients)) as ex:
+                futures = [ex.submit(self._guard, fn, c) for c in self.clients]
+            results = [f.result() for f in futures]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+
+    def _guard(self, fn, client: EngineClient):
+        try:
+            fn(client)
+            return None
+        except WeightSyncError as exc:
+            return exc
+        except Exception as exc:
+            return WeightSyncError(f"{self.method} weight sync to engine {client.base_url} failed: {exc}",
+                                   client.base_url)
+
+    def _check_equal(self, client: EngineClient, named: NamedTensors, version: str) -> None:
+        bad = []
+        for name, sent in named:
+            try:
+                values = client.get_weights_by_name(name, truncate_size=max(1, sent.numel()))
+            except Exception as exc:
+                raise WeightSyncError(f"engine {client.base_url}: cannot read back {name} for "
+                                      f"--check-weight-update-equal: {exc}", client.base_url) from None
+            got = torch.tensor(values, dtype=torch.float64).flatten()
+            want = sent.detach().to("cpu").flatten()
+            if got.numel() != want.numel():
+                bad.append(f"{name}: {got.numel()} values read back, {want.numel()} sent")
+                continue
+            # The engine may hold a lower precision than was sent: compare in the engine's terms when
+            # the values differ only by that rounding.
+            if not torch.equal(got, want.double()):
+                engine_dtype = _engine_dtype(client)
+                if engine_dtype is None or not torch.equal(got, want.to(engine_dtype).double()):
+                    err = (got - want.double()).abs().max().item()
+                    bad.append(f"{name}: max abs difference {err:.3g}")
+            if len(bad) >= 8:
+                break
+        if bad:
+            raise WeightSyncError(f"engine {client.base_url} holds weights different from the trainer's after the "
+                                  f"{self.method} sync to {version}: {'; '.join(bad)}", client.base_url)
+
+
+def _engine_dtype(client: EngineClient) -> torch.dtype | None:
+    try:
+        name = str(client.server_info().get("dtype") or "").replace("torch.", "")
+    except Exception:
+        return None
+    dt = getattr(torch, name, None) if name else None
+    return dt if isinstance(dt, torch.dtype) else None
+
+
+class TensorSync(WeightSync):
+    method = "tensor"
+
+    def __init__(self, engine_urls: Sequence[str], **kw: Any):
+        super().__init__(engine_urls, **kw)
+        self.load_format = kw.get("load_format", "flattened_bucket")
+
+    def _send(self, named: NamedTensors, version: str) -> None:
+        try:
+            # all engines at once: each bucket staged in shared memory once (relax.backends.engine_client)
+            update_weights_from_tensor_many(self.clients, named, version, self.buffer_bytes,
+                                            load_format=self.load_format, pool=self.clients[0].buffer_pool)
+        except Exception as exc:
+            url = getattr(exc, "base_url", None) or ", ".join(self.engine_urls)
+            raise WeightSyncError(f"tensor weight sync to engine {url} failed: {exc}", url) from None
+
+
+def copy_model_files(source_dir: str, dest: str) -> None:
+    """Copy an HF folder's non-weight files (config, generation config, tokenizer, chat template)."""
+    for entry in os.listdir(source_dir):
+        src = os.path.join(source_dir, entry)
+        if os.path.isfile(src) and not entry.endswith((".safetensors", ".bin", ".pt", ".pth", ".index.json")):
+            shutil.copy2(src, os.path.join(dest, entry))
+
+
+def write_safetensors_dir(named: NamedTensors, path: str, *, source_dir: str | None = None,
+                          max_shard_bytes: int = 4 << 30) -> list[str]:
+    """Write `named` as HF safetensors shards (with an index when sharded) into folder `path`; copy the
+    non-weight files (config, generation config, tokenizer) of `source_dir` when given. Returns the files."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    if source_dir and os.path.isdir(source_dir):
+        copy_model_files(source_dir, path)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in named:
+        t = t.detach().to("cpu").contiguous()
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += n
+    files = []
+    if len(shards) == 1:
+        files.append("model.safetensors")
+        save_file(_unshared(shards[0]), os.path.join(path, files[0]), metadata={"format": "pt"})
+    else:
+        import json
+
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(_unshared(shard), os.path.join(path, fname), metadata={"format": "pt"})
+            files.append(fname)
+            weight_map.update(dict.fromkeys(shard, fname))
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": sum(_nbytes(list(s.items())) for s in shards)},
+                       "weight_map": weight_map}, f)
+    return files
+
+
+def _unshared(shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors sharing storage (tied embeddings): give each its own copy."""
+    seen: set[int] = set()
+    out = {}
+    for k, t in shard.items():
+        ptr = t.untyped_storage().data_ptr()
+        out[k] = t.clone() if ptr in seen else t
+        seen.add(ptr)
+    return out
+
+
+class DiskSync(WeightSync):
+    method = "disk"
+
+    def __init__(self, engine_urls: Sequence[str], *, tmp_dir: str | None = None, source_dir: str | None = None,
+                 **kw: Any):
+        super().__init__(engine_urls, **kw)
+        self.tmp_dir = tmp_dir
+        self.source_dir = source_dir
+
+    def _send(self, named: NamedTensors, version: str) -> None:
+        folder = tempfile.mkdtemp(prefix=f"relax-weights-v{version}-", dir=self.tmp_dir)
+        try:
+            write_safetensors_dir(named, folder, source_dir=self.source_dir)
+            self._each(lambda c: c.update_weights_from_disk(folder, weight_version=version))
         finally:
-            client.close()
-    seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "bytes": total_bytes, "engines": len(engine_urls),
-            "bytes_per_s": total_bytes / seconds if seconds > 0 else 0.0}
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+class DistributedSync(WeightSync):
+    method = "distributed"
+
+    def __init__(self, engine_urls: Sequence[str], *, backend: str | None = None, master_address: str | None = None,
+                 group_name: str = "relax_weight_update", **kw: Any):
+        super().__init__(engine_urls, **kw)
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.master_address = master_address
+        self.group_name = group_name
+        self.group = None
+
+    def _ensure_group(self) -> None:
+        if self.group is not None:
+            return
+        from relax.backends.net import find_free_port
+        from relax.weights.distributed import WeightUpdateGroup
+
+        address = self.master_address or _local_address(self.engine_urls)
+        group = WeightUpdateGroup(self.clients, master_address=address, master_port=find_free_port(),
+                                  group_name=self.group_name, backend=self.backend, timeout_s=self.timeout_s)
+        try:
+            group.init()
+        except Exception as exc:
+            url = getattr(exc, "base_url", None) or ", ".join(self.engine_urls)
+            raise WeightSyncError(f"engine {url} could not join the weight update group: {exc}", url) from None
+        self.group = group
+
+    def _send(self, named: NamedTensors, version: str) -> None:
+        self._ensure_group()
+        try:
+            self.group.update(named, weight_version=version)
+        except Exception as exc:
+            url = getattr(exc, "base_url", None) or ", ".join(self.engine_urls)
+            self.close_group()  # a broken group cannot be reused: the next push makes a new one
+            raise WeightSyncError(f"distributed weight sync to engine {url} failed: {exc}", url) from None
+
+    def close_group(self) -> None:
+        if self.group is not None:
+            try:
+                self.group.destroy()
+            except Exception as exc:  # pragma: no cover - best effort
+                logger.warning("destroying the weight update group failed: %r", exc)
+            self.group = None
+
+    def close(self) -> None:
+        self.close_group()
+        super().close()
+
+
+def _local_address(engine_urls: Sequence[str]) -> str:
+    """An address of this host that the engines can reach (loopback when they all run here)."""
+    from urllib.parse import urlparse
+
+    hosts = {urlparse(u).hostname for u in engine_urls}
+    if hosts <= {"127.0.0.1", "localhost", "::1"}:
+        return "127.0.0.1"
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((next(h for h in hosts if h not in {"127.0.0.1", "localhost"}), 9))
+        return s.getsockname()[0]
+
+
+_CLASSES = {"tensor": TensorSync, "disk": DiskSync, "distributed": DistributedSync}
+
+
+def make_weight_sync(method: str, engine_urls: Sequence[str], **kw: Any) -> WeightSync:
+    if method not in _CLASSES:
+        raise ValueError(f"unknown weight sync method {method!r}; one of {METHODS}")
+    return _CLASSES[method](engine_urls, **kw)
+
+
+# One live sync per (method, engines) in this process: the distributed group and the shared-memory
+# staging buffers are kept between updates.
+_LIVE: dict[tuple, WeightSync] = {}
+
+
+def get_weight_sync(method: str, engine_urls: Sequence[str], **kw: Any) -> WeightSync:
+    key = (method, tuple(engine_urls), kw.get("check_equal", False), kw.get("buffer_bytes"))
+    sync = _LIVE.get(key)
+    if sync is None:
+        for k in [k for k in _LIVE if k[0] == method]:  # other engines or settings: replace it
+            _LIVE.pop(k).close()
+        sync = _LIVE[key] = make_weight_sync(method, engine_urls, **kw)
+    return sync
+
+
+def close_all() -> None:
+    while _LIVE:
+        _LIVE.popitem()[1].close()
+
+
+def push_named_tensors(named: NamedTensors, engine_urls: Sequence[str], version: int, buffer_bytes: int,
+                       timeout_s: float = 300.0, *, method: str = "tensor", check_equal: bool = False,
+                       **kw: Any) -> dict:
+    """Push to every engine with `method` (default the shared-memory tensor path) and verify the version
+    (and, with `check_equal`, every tensor). Raises `WeightSyncError` naming the failing engine."""
+    if not engine_urls:
+        return {"seconds": 0.0, "bytes": 0, "engines": 0, "bytes_per_s": 0.0, "method": method}
+    sync = get_weight_sync(method, engine_urls, buffer_bytes=buffer_bytes, timeout_s=timeout_s,
+                           check_equal=check_equal, **kw)
+    return sync.push(named, version)
+
+
+def push_for_config(named: NamedTensors, engine_urls: Sequence[str], version: int, config: Any) -> dict:
+    """`push_named_tensors` with the run's settings: `--update-weight-buffer-size`,
+    `--check-weight-update-equal` and the sync method (`weight_sync_method` when the config has it,
+    else the environment variable RELAX_WEIGHT_SYNC, else "tensor")."""
+    get = config.get if hasattr(config, "get") else (lambda k, d=None: getattr(config, k, d))
+    method = get("weight_sync_method", None) or os.environ.get("RELAX_WEIGHT_SYNC") or "tensor"
+    return push_named_tensors(named, engine_urls, version, get("update_weight_buffer_size", 512 << 20),
+                              method=method, check_equal=bool(get("check_weight_update_equal", False)),
+                              source_dir=get("hf_checkpoint", None) if method == "disk" else None)

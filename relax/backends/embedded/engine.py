@@ -13,6 +13,12 @@ at once; leading columns that only padding uses are trimmed. Models whose cache 
 plain full-attention `DynamicLayer`s (sliding-window, hybrid) fall back to admitting new requests
 only when the running batch is empty.
 
+Sampling: a request with SGLang's `sampling_params["sampling_seed"]` draws the token at sequence
+position p from a generator seeded by (seed, p) alone (`sampling.seeded_position_seed`), so what it
+samples does not depend on the requests it is batched with, on the engine's `random_seed`, or on an
+abort + resume (prompt + partial response, same seed); only float noise of batched forward passes
+remains (log-prob differences of ~1e-6). Requests without a seed share the engine's generator.
+
 Weight updates are commands executed by the scheduler thread at a step boundary: a step never
 mixes weights, and all tensors of one update request are applied together (validated first, so a
 bad request changes nothing). By default an update does not wait for running requests, which
@@ -43,7 +49,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from relax.backends.embedded.sampling import SamplingParams, sample_batch
+from relax.backends.embedded.sampling import SamplingParams, sample_batch, seeded_position_seed
 
 logger = logging.getLogger(__name__)
 
@@ -304,8 +310,6 @@ class EmbeddedEngine:
         if not params.ignore_eos:
             stop_ids |= self.eos_ids
         req.stop_ids = frozenset(stop_ids)
-        if params.sampling_seed is not None:
-            req.generator = torch.Generator(device="cpu").manual_seed(params.sampling_seed)
         return req
 
     def submit(self, req: GenRequest) -> Future:
@@ -769,6 +773,13 @@ class EmbeddedEngine:
             sorted(r.stop_ids) if len(r.output_ids) < r.params.min_new_tokens and r.stop_ids else []
             for r in b.reqs
         ]
+        # A seeded request (sampling_seed) draws token k of its sequence from a generator seeded by
+        # (seed, prompt length + k): independent of batching, of the other requests and of abort/resume.
+        row_seeds = [
+            None if r.params.sampling_seed is None
+            else seeded_position_seed(r.params.sampling_seed, len(r.input_ids) + len(r.output_ids))
+            for r in b.reqs
+        ]
         row_gens = [r.generator for r in b.reqs]
         top_n = max((r.top_logprobs_num for r in b.reqs if r.return_logprob), default=0)
         res = sample_batch(
@@ -776,6 +787,7 @@ class EmbeddedEngine:
             params,
             generator=self.generator,
             row_generators=row_gens if any(g is not None for g in row_gens) else None,
+            row_seeds=row_seeds if any(x is not None for x in row_seeds) else None,
             suppress=suppress,
             top_logprobs_num=top_n,
         )

@@ -18,6 +18,18 @@ from typing import Any, Mapping
 
 import torch
 
+_MASK64 = (1 << 64) - 1
+
+
+def seeded_position_seed(sampling_seed: int, position: int) -> int:
+    """The RNG seed of a seeded request's token at absolute sequence position `position` (prompt tokens
+    included): a splitmix64 mix of the two, so the draw depends on nothing else (not on the batch, not on
+    the other requests, and not on whether the request was aborted and resumed with the same seed)."""
+    z = (int(sampling_seed) * 0x9E3779B97F4A7C15 + int(position) + 0x632BE59BD9B4E019) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
 # Keys of SGLang's sampling_params that we accept only at their neutral value.
 _NEUTRAL_ONLY = {
     "frequency_penalty": 0.0,
@@ -135,6 +147,7 @@ def sample_batch(
     *,
     generator: torch.Generator | None,
     row_generators: list[torch.Generator | None] | None = None,
+    row_seeds: list[int | None] | None = None,
     suppress: list[list[int]] | None = None,
     top_logprobs_num: int = 0,
 ) -> SampleOutput:
@@ -142,7 +155,9 @@ def sample_batch(
 
     `suppress[i]`: token ids that row i may not sample now (stop tokens under min_new_tokens);
     they still count in the reported log-probs. `row_generators[i]`, when set, is used instead
-    of `generator` for row i (per-request `sampling_seed`).
+    of `generator` for row i. `row_seeds[i]`, when set, seeds a fresh generator for row i alone (SGLang's
+    per-request `sampling_seed`, see `seeded_position_seed`): row i's pick then depends only on its own
+    probabilities and that seed.
     """
     logits = logits.float()
     bsz, vocab = logits.shape
@@ -188,6 +203,9 @@ def sample_batch(
         shared_rows = []
         for j, i in enumerate(sidx):
             g = row_generators[i] if row_generators is not None else None
+            seed = row_seeds[i] if row_seeds is not None else None
+            if seed is not None:
+                g = torch.Generator(device="cpu").manual_seed(int(seed))
             if g is not None:
                 picks[j] = torch.multinomial(probs[j], 1, generator=g)[0]
             else:

@@ -43,6 +43,9 @@ def add_flags(parser):
     g.add_argument("--update-weight-buffer-size", type=byte_size, default=512 * 1024**2,
                    help="Bytes per chunk when sending weights to engines (accepts 512MB).")
     g.add_argument("--update-weights-interval", type=int, default=1, help="Send weights to engines every N rollout steps.")
+    g.add_argument("--weight-sync-method", type=str, default="tensor", choices=["tensor", "disk", "distributed"],
+                   help="How trainer weights reach the engines: shared-memory tensors (same host), a safetensors "
+                        "folder reloaded from disk, or a collective broadcast (gloo on CPU, NCCL on GPU).")
     g.add_argument("--keep-old-actor", action="store_true", default=False,
                    help="Keep a copy of the rollout-time policy for old log-probs during training.")
 

@@ -1,0 +1,175 @@
+"""Weight-sync throughput per path (relax.weights.sync) against a real embedded engine, next to a plain memory copy.
+
+    python benchmarks/weight_sync_bench.py [--models tiny smollm2-135m qwen2-0.5b] [--repeats 3]
+                                           [--dtype bfloat16] [--buffer-mb 512] [--json out.json]
+
+For each model shape a random HF model is written to a temporary folder and served by one embedded engine
+(`python -m relax.backends.embedded.server`, same host). The trainer side holds the same-named tensors and
+pushes them with each path, then checks that the engine reports the new weight version:
+
+  tensor       /update_weights_from_tensor: buckets of --buffer-mb staged in shared memory
+  disk         safetensors into a temporary folder (--tmp-dir, default the system one) + /update_weights_from_disk
+  distributed  /update_weights_from_distributed: gloo broadcast over a group (joined once, before timing)
+
+memcpy is `torch.Tensor.copy_` of every tensor into a preallocated buffer of the same bytes (this process).
+Times are the best of --repeats pushes after one warm-up push; GB/s = weight bytes / seconds (1 GB = 1e9 B);
+"x memcpy" = path seconds / memcpy seconds.
+
+Shapes: tiny (relax.models.tiny), smollm2-135m (LlamaConfig hidden 576, 30 layers, 9 heads, 3 kv heads,
+intermediate 1536, vocab 49152, tied) and qwen2-0.5b (Qwen2Config hidden 896, 24 layers, 14 heads, 2 kv heads,
+intermediate 4864, vocab 151936, tied).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from relax.backends.embedded.launcher import EmbeddedServerProcess  # noqa: E402
+from relax.models.tiny import TinyArch, build_tiny_model_dir  # noqa: E402
+from relax.weights.sync import make_weight_sync  # noqa: E402
+
+SHAPES = {
+    "smollm2-135m": ("llama", dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                   intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
+                                   max_position_embeddings=2048)),
+    "qwen2-0.5b": ("qwen2", dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                                 intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+                                 max_position_embeddings=2048)),
+}
+
+
+def build_model(name: str, folder: Path, dtype: torch.dtype) -> Path:
+    """A random HF model of the named shape (with the tiny model's byte tokenizer)."""
+    tiny = build_tiny_model_dir(folder / "tiny", TinyArch(family="qwen2"), seed=0)
+    if name == "tiny":
+        return tiny
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    family, kw = SHAPES[name]
+    config = (LlamaConfig if family == "llama" else Qwen2Config)(**kw)
+    config.torch_dtype = dtype
+    out = folder / name
+    out.mkdir(parents=True)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator().manual_seed(0)
+    state = {}
+    for pname, p in meta.state_dict().items():
+        if pname == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        t = torch.empty(p.shape, dtype=torch.float32)
+        t.normal_(0.0, 0.02, generator=gen) if p.dim() > 1 else t.fill_(1.0)
+        state[pname] = t.to(dtype)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(out)
+    for f in tiny.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+            shutil.copy2(f, out / f.name)
+    return out
+
+
+def trainer_tensors(model_dir: Path, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+    from relax.backends.embedded.server import load_hf_weights
+
+    named = [(n, t.to(dtype).clone()) for n, t in load_hf_weights(str(model_dir))]
+    return named
+
+
+def memcpy_seconds(named, repeats: int) -> float:
+    total = sum(t.numel() * t.element_size() for _, t in named)
+    dst = torch.empty(total, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        off = 0
+        for _, t in named:
+            n = t.numel() * t.element_size()
+            dst[off:off + n].view(t.dtype).copy_(t.reshape(-1))
+            off += n
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bench_model(name: str, args) -> list[dict]:
+    dtype = getattr(torch, args.dtype)
+    work = Path(tempfile.mkdtemp(prefix="relax-wsbench-"))
+    rows = []
+    try:
+        t0 = time.perf_counter()
+        model_dir = build_model(name, work, dtype)
+        named = trainer_tensors(model_dir, dtype)
+        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        print(f"# {name}: {len(named)} tensors, {nbytes / 1e6:.1f} MB {args.dtype} "
+              f"(built in {time.perf_counter() - t0:.0f}s)", flush=True)
+        base = memcpy_seconds(named, args.repeats)
+        rows.append({"model": name, "path": "memcpy", "bytes": nbytes, "seconds": base,
+                     "gb_per_s": nbytes / base / 1e9, "x_memcpy": 1.0})
+        server = EmbeddedServerProcess(str(model_dir), server_args={"dtype": args.dtype, "random_seed": 0,
+                                                                      "num_threads": args.engine_threads})
+        server.start()
+        try:
+            server.wait_healthy(600)
+            for method in args.paths:
+                sync = make_weight_sync(method, [server.url], buffer_bytes=args.buffer_mb << 20, timeout_s=900,
+                                        tmp_dir=args.tmp_dir)
+                try:
+                    t0 = time.perf_counter()
+                    sync.push(named, f"{method}-warmup")  # staging buffers / group set up here
+                    cold = time.perf_counter() - t0
+                    best = float("inf")
+                    for i in range(args.repeats):
+                        best = min(best, sync.push(named, f"{method}-{i}")["seconds"])
+                finally:
+                    sync.close()
+                rows.append({"model": name, "path": method, "bytes": nbytes, "seconds": best, "first_seconds": cold,
+                             "gb_per_s": nbytes / best / 1e9, "x_memcpy": best / base})
+                r = rows[-1]
+                print(f"  {method:12s} {best:8.4f}s  {r['gb_per_s']:7.2f} GB/s  {r['x_memcpy']:7.1f}x memcpy"
+                      f"  (first push {cold:.3f}s)", flush=True)
+        finally:
+            server.stop()
+        print(f"  {'memcpy':12s} {base:8.4f}s  {nbytes / base / 1e9:7.2f} GB/s", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=["tiny", "smollm2-135m", "qwen2-0.5b"],
+                   choices=["tiny", *SHAPES])
+    p.add_argument("--paths", nargs="+", default=["tensor", "disk", "distributed"],
+                   choices=["tensor", "disk", "distributed"])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--buffer-mb", type=int, default=512)
+    p.add_argument("--engine-threads", type=int, default=1)
+    p.add_argument("--tmp-dir", default=None, help="where the disk path writes (default: the system temp dir)")
+    p.add_argument("--json", default=None, help="also write the rows as JSON here")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = []
+    for name in args.models:
+        rows.extend(bench_model(name, args))
+    print("\nmodel          path         seconds      GB/s   x memcpy")
+    for r in rows:
+        print(f"{r['model']:14s} {r['path']:12s} {r['seconds']:8.4f} {r['gb_per_s']:9.2f} {r['x_memcpy']:9.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
