@@ -18,7 +18,7 @@ EMBEDDED_MARKER = "embedded_default"
 EMBEDDED_PRESET: dict[str, Any] = {
     "rollout_batch_size": 32,
     "n_samples_per_prompt": 16,
-    "num_rollout": 80,
+    "num_rollout": 100,
     "num_steps_per_rollout": 4,
     "rollout_max_response_len": 8,
     "rollout_temperature": 1.0,
