@@ -57,7 +57,9 @@ IMPLEMENTED: frozenset[str] = frozenset(_CONFIG_LAYER | _E2E_LOOP | TRAINING_FEA
 SUPPORTED_VALUES: dict[str, frozenset] = {
     "advantage_estimator": frozenset({"grpo", "gspo", "sapo", "cispo", "rloo"}),
     "loss_type": frozenset({"policy_loss"}),
-    "rollout_backend": frozenset({"auto", "embedded"}),
+    # "sglang": tests/test_sglang_cpu.py drives the controller with real SGLang on CPU (needs the
+    # separate venv from scripts/install_sglang_cpu.sh; skipped when it is absent).
+    "rollout_backend": frozenset({"auto", "embedded", "sglang"}),
 }
 for _dest, _values in TRAINING_SUPPORTED_VALUES.items():
     SUPPORTED_VALUES[_dest] = SUPPORTED_VALUES.get(_dest, frozenset()) | frozenset(_values)
