@@ -7,7 +7,6 @@ and the sample (relax.rollout.generate), which the embedded engine honours whate
 import json
 import shutil
 
-import pytest
 import torch
 
 from relax.config import parse_config

@@ -2,8 +2,6 @@
 sglang-router, TransferQueue, weight sync and a checkpoint — through the controller, as relax-train runs it."""
 
 import json
-import os
-import subprocess
 
 import psutil
 import pytest
@@ -11,7 +9,6 @@ import ray
 
 from relax.config import parse_config
 from relax.core.controller import Controller
-from relax.models.embedded import build_embedded_assets
 from relax.models.tiny import TinyArch, build_tiny_model_dir
 from relax.models.tasks import generate_task_dataset
 

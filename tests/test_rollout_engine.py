@@ -9,7 +9,6 @@ import pytest
 
 from relax.backends.embedded.launcher import EmbeddedServerProcess
 from relax.config import parse_config
-from relax.data.sample import Sample
 from relax.models.tiny import TinyArch, build_tiny_model_dir
 from relax.rollout.buffer import RolloutDataSourceWithBuffer, build_data_source
 from relax.rollout.context import RolloutContext, load_hook

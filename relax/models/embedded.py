@@ -6,7 +6,7 @@ import json
 import logging
 from pathlib import Path
 
-from relax.models.tasks import DEFAULT_TASK, generate_task_dataset
+from relax.models.tasks import generate_task_dataset
 from relax.models.tiny import TinyArch, build_tiny_model_dir
 from relax.models.warmstart import format_warm_start
 

@@ -15,11 +15,12 @@ clipped value-loss updates (`relax.training.step.train_critic`) once the actor h
 from __future__ import annotations
 
 import dataclasses
-import socket
 import time
 from typing import Any
 
 import ray
+
+from relax.roles.megatron_rank import MegatronRank
 
 
 def critic_settings(config: Any):
@@ -36,37 +37,20 @@ def critic_settings(config: Any):
 
 
 @ray.remote
-class CriticWorker:
+class CriticWorker(MegatronRank):
     """One rank of the critic group. All ranks are called together for collectives."""
 
     def __init__(self, config: Any, rank: int, world_size: int, threads: int = 1):
-        import torch
-
-        torch.set_num_threads(max(1, threads))
-        self.config = config
-        self.rank = rank
-        self.world_size = world_size
-        self.trainer = None
-        self.data = None
-
-    def master_address(self) -> tuple[str, int]:
-        host = ray.util.get_node_ip_address()
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            return host, sock.getsockname()[1]
+        super().__init__(config, rank, world_size, threads)
 
     def setup(self, master_addr: str, master_port: int, backend: str) -> dict[str, Any]:
         from transformers import AutoConfig
 
         from relax.backends.megatron.arch import ModelArch
-        from relax.backends.megatron.cpu_compat import apply_cpu_compat
-        from relax.backends.megatron.parallel import init_distributed
         from relax.backends.megatron.trainer import MegatronTrainer
         from relax.data.plane import DataPlane
 
-        apply_cpu_compat()
-        init_distributed(self.rank, self.world_size, master_addr, master_port, backend=backend,
-                         timeout_minutes=self.config.distributed_timeout_minutes)
+        self.join_process_group(master_addr, master_port, backend)
         arch = ModelArch.from_hf_config(AutoConfig.from_pretrained(self.config.hf_checkpoint))
         self.trainer = MegatronTrainer(arch, critic_settings(self.config))
         self.trainer.load_hf(self.config.hf_checkpoint)

@@ -13,11 +13,12 @@ it, else the student's).
 
 from __future__ import annotations
 
-import socket
 import time
 from typing import Any
 
 import ray
+
+from relax.roles.megatron_rank import MegatronRank
 
 
 def _checkpoint_arch(kind: str, where) -> Any:
@@ -38,41 +39,24 @@ def _checkpoint_arch(kind: str, where) -> Any:
 
 
 @ray.remote
-class ReferenceWorker:
+class ReferenceWorker(MegatronRank):
     """One rank of the reference group. All ranks are called together for collectives."""
 
     def __init__(self, config: Any, rank: int, world_size: int, threads: int = 1, role: str = "reference"):
-        import torch
-
         if role not in ("reference", "teacher"):
             raise ValueError(f"unknown forward-only role {role!r}")
-        torch.set_num_threads(max(1, threads))
+        super().__init__(config, rank, world_size, threads)
         self.role = role
-        self.config = config
-        self.rank = rank
-        self.world_size = world_size
-        self.trainer = None
-        self.data = None
-
-    def master_address(self) -> tuple[str, int]:
-        host = ray.util.get_node_ip_address()
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            return host, sock.getsockname()[1]
 
     def setup(self, master_addr: str, master_port: int, backend: str) -> dict[str, Any]:
         from transformers import AutoConfig
 
         from relax.backends.megatron.arch import ModelArch
-        from relax.backends.megatron.cpu_compat import apply_cpu_compat
-        from relax.backends.megatron.parallel import init_distributed
         from relax.backends.megatron.trainer import MegatronTrainer
         from relax.data.plane import DataPlane
         from relax.roles.trainer import trainer_settings
 
-        apply_cpu_compat()
-        init_distributed(self.rank, self.world_size, master_addr, master_port, backend=backend,
-                         timeout_minutes=self.config.distributed_timeout_minutes)
+        self.join_process_group(master_addr, master_port, backend)
         settings = trainer_settings(self.config, forward_only=True)
         if self.role == "teacher":
             from relax.backends.megatron.checkpoint import resolve_model_checkpoint

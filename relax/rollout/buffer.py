@@ -16,7 +16,7 @@ A buffer filter is `fn(args, buffer, num_groups) -> list[list[Sample]]` (`fn(arg
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 from relax.data.sample import Sample
 from relax.rollout.context import call_flexible, load_hook

@@ -1,0 +1,38 @@
+"""What every Megatron rank actor (actor, reference, teacher, critic) shares: thread count, its place in
+the group, the rendezvous address of rank 0, and joining the process group."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import ray
+
+
+class MegatronRank:
+    """Plain base class; each role subclasses it under `@ray.remote`."""
+
+    def __init__(self, config: Any, rank: int, world_size: int, threads: int = 1):
+        import torch
+
+        torch.set_num_threads(max(1, threads))
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.trainer = None
+        self.data = None
+
+    def master_address(self) -> tuple[str, int]:
+        """This node's address and a free port, for rank 0 to host the rendezvous."""
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return host, sock.getsockname()[1]
+
+    def join_process_group(self, master_addr: str, master_port: int, backend: str) -> None:
+        from relax.backends.megatron.cpu_compat import apply_cpu_compat
+        from relax.backends.megatron.parallel import init_distributed
+
+        apply_cpu_compat()
+        init_distributed(self.rank, self.world_size, master_addr, master_port, backend=backend,
+                         timeout_minutes=self.config.distributed_timeout_minutes)
