@@ -68,7 +68,14 @@ def apply_embedded_default(values: dict[str, Any], explicit: frozenset[str]) -> 
     for key, val in EMBEDDED_PRESET.items():
         if key in values and key not in explicit:
             values[key] = val
+    # Keep the preset's batch shape consistent when the user changed the batch flags.
+    samples = values["rollout_batch_size"] * values["n_samples_per_prompt"]
+    steps = values.get("num_steps_per_rollout")
+    if "num_steps_per_rollout" not in explicit and "global_batch_size" in explicit:
+        values["num_steps_per_rollout"] = steps = None  # the user's global batch decides
+    if "num_steps_per_rollout" not in explicit and steps and samples % steps:
+        values["num_steps_per_rollout"] = steps = None  # one optimizer step per rollout
+    per_update = samples // steps if steps else (values.get("global_batch_size") or samples)
     if "micro_batch_size" not in explicit:
-        samples = values["rollout_batch_size"] * values["n_samples_per_prompt"]
-        values["micro_batch_size"] = math.gcd(EMBEDDED_PRESET["micro_batch_size"], samples)
+        values["micro_batch_size"] = math.gcd(EMBEDDED_PRESET["micro_batch_size"], per_update)
     return True
