@@ -28,8 +28,7 @@ EMBEDDED_PRESET: dict[str, Any] = {
     "apply_chat_template": True,
     "lr": 2e-3,
     "lr_warmup_iters": 20,
-    "lr_decay_style": "cosine",  # to min_lr over the run: keeps the policy stable once reward is high
-    "min_lr": 2e-4,
+    "lr_decay_style": "constant",
     "weight_decay": 0.0,
     "clip_grad": 1.0,
     "use_kl_loss": True,
