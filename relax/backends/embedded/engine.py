@@ -44,7 +44,6 @@ import time
 import uuid
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
@@ -53,98 +52,17 @@ from relax.backends.embedded.sampling import SamplingParams, sample_batch, seede
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
-
-
-def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
-    if dtype is None or dtype == "auto":
-        return torch.float32  # CPU: float32 is both faster and exact (see notes/cpu-stack.md)
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; one of {sorted(_DTYPES)}")
-    return _DTYPES[dtype]
-
-
-class EngineError(Exception):
-    """A request the engine refuses (bad input, engine state). `status` is the HTTP code."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
-
-
-@dataclass
-class GenRequest:
-    rid: str
-    input_ids: list[int]
-    params: SamplingParams
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1
-    # --- state, owned by the scheduler thread ---
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    output_top: list[list[tuple[float, int]]] = field(default_factory=list)
-    input_logprobs: list[float | None] | None = None
-    finish_reason: dict | None = None
-    matched_stop_str: str | None = None
-    generator: torch.Generator | None = None
-    created: float = field(default_factory=time.time)
-    first_token_time: float | None = None
-    future: Future = field(default_factory=Future)
-    stop_ids: frozenset = frozenset()
-
-    @property
-    def max_new(self) -> int:
-        return self.params.max_new_tokens
-
-
-@dataclass
-class _Command:
-    fn: Callable[[], Any]
-    future: Future
-    needs_idle: bool = False
-    name: str = "command"
-
-
-class _RunningBatch:
-    """Rows of running requests with their KV cache, padding mask and next inputs."""
-
-    def __init__(self, reqs, cache, mask, pos, last):
-        self.reqs: list[GenRequest] = reqs
-        self.cache = cache
-        self.mask: torch.Tensor = mask  # [B, L] 1 = real token, 0 = padding
-        self.pos: torch.Tensor = pos  # [B] position id of the token fed next
-        self.last: torch.Tensor = last  # [B] token fed next
-
-    def __len__(self) -> int:
-        return len(self.reqs)
-
-
-def _cache_layers_mergeable(cache) -> bool:
-    from transformers.cache_utils import DynamicLayer
-
-    layers = getattr(cache, "layers", None)
-    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
-
-
-def _left_pad(t: torch.Tensor, dim: int, amount: int) -> torch.Tensor:
-    if amount == 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = amount
-    return torch.cat([torch.zeros(shape, dtype=t.dtype, device=t.device), t], dim=dim)
-
+from relax.backends.embedded.requests import (  # noqa: F401  (re-exported)
+    _DTYPES,
+    resolve_dtype,
+    EngineError,
+    GenRequest,
+    _Command,
+    _RunningBatch,
+    _cache_layers_mergeable,
+    _left_pad,
+    response_payload,
+)
 
 class EmbeddedEngine:
     """Continuous-batching generation over a transformers causal LM on one device (CPU)."""
@@ -845,35 +763,4 @@ class EmbeddedEngine:
         r.future.set_result(resp)
 
     def _response(self, r: GenRequest) -> dict:
-        p = r.params
-        ids_for_text = list(r.output_ids)
-        reason = r.finish_reason or {}
-        if reason.get("type") == "stop" and isinstance(reason.get("matched"), int) and not p.no_stop_trim:
-            ids_for_text = ids_for_text[:-1]
-        text = self.tokenizer.decode(ids_for_text, skip_special_tokens=p.skip_special_tokens)
-        if r.matched_stop_str is not None and not p.no_stop_trim:
-            cut = text.find(r.matched_stop_str)
-            if cut >= 0:
-                text = text[:cut]
-        now = time.time()
-        meta: dict[str, Any] = {
-            "id": r.rid,
-            "finish_reason": reason,
-            "prompt_tokens": len(r.input_ids),
-            "completion_tokens": len(r.output_ids),
-            "cached_tokens": 0,
-            "weight_version": self.weight_version,
-            "e2e_latency": now - r.created,
-        }
-        if r.return_logprob:
-            meta["output_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(r.output_logprobs, r.output_ids)]
-            if r.input_logprobs is not None:
-                start = max(0, min(r.logprob_start_len, len(r.input_ids)))
-                meta["input_token_logprobs"] = [
-                    [lp, tid, None] for lp, tid in zip(r.input_logprobs, r.input_ids[start:])
-                ]
-            else:
-                meta["input_token_logprobs"] = []
-            if r.top_logprobs_num > 0:
-                meta["output_top_logprobs"] = [[[lp, tid, None] for lp, tid in row] for row in r.output_top]
-        return {"text": text, "output_ids": list(r.output_ids), "meta_info": meta}
+        return response_payload(r, self.tokenizer, self.weight_version)
