@@ -36,3 +36,23 @@ class MegatronRank:
         apply_cpu_compat()
         init_distributed(self.rank, self.world_size, master_addr, master_port, backend=backend,
                          timeout_minutes=self.config.distributed_timeout_minutes)
+
+    def save(self, path: str) -> str:
+        return str(self.trainer.save_checkpoint(path))
+
+    def load(self, path: str) -> int:
+        return self.trainer.load_checkpoint(path)
+
+    def weights_checksum(self) -> float:
+        import torch
+
+        with torch.no_grad():
+            return float(sum(p.double().abs().sum() for p in self.trainer.gpt_model.parameters()))
+
+    def shutdown(self) -> None:
+        from relax.backends.megatron.parallel import destroy
+
+        try:
+            destroy()
+        except Exception:  # best effort at exit
+            pass

@@ -93,23 +93,3 @@ class ReferenceWorker(MegatronRank):
 
     def set_model_state(self, state: dict[str, Any]) -> None:
         self.trainer.set_model_state(state)
-
-    def save(self, path: str) -> str:
-        return str(self.trainer.save_checkpoint(path))
-
-    def load(self, path: str) -> int:
-        return self.trainer.load_checkpoint(path)
-
-    def weights_checksum(self) -> float:
-        import torch
-
-        with torch.no_grad():
-            return float(sum(p.double().abs().sum() for p in self.trainer.gpt_model.parameters()))
-
-    def shutdown(self) -> None:
-        from relax.backends.megatron.parallel import destroy
-
-        try:
-            destroy()
-        except Exception:  # best effort at exit
-            pass

@@ -100,25 +100,5 @@ class TrainerWorker(MegatronRank):
         report["export_seconds"] = time.perf_counter() - t0 - report["seconds"]
         return report
 
-    def save(self, path: str) -> str:
-        return str(self.trainer.save_checkpoint(path))
-
-    def load(self, path: str) -> int:
-        return self.trainer.load_checkpoint(path)
-
     def model_state(self) -> dict[str, Any]:
         return self.trainer.model_state()
-
-    def weights_checksum(self) -> float:
-        import torch
-
-        with torch.no_grad():
-            return float(sum(p.double().abs().sum() for p in self.trainer.gpt_model.parameters()))
-
-    def shutdown(self) -> None:
-        from relax.backends.megatron.parallel import destroy
-
-        try:
-            destroy()
-        except Exception:  # best effort at exit
-            pass

@@ -397,26 +397,8 @@ class MegatronTrainer:
     ) -> list[torch.Tensor]:
         """Log-probs (float32, CPU) of each sample's response tokens under the current weights."""
         apply_cpu_compat()
-        budget = self.settings.logprob_max_tokens_per_micro_batch or self.settings.max_tokens_per_micro_batch
-        micro_batches = self._micro_batches(samples, budget)
-
-        def step(mb: MicroBatch, logits: torch.Tensor):
-            logprobs, _ = self._response_logprobs(logits, mb, temperature, with_entropy=False)
-            return logits.new_zeros(()), {"logprobs": logprobs.detach().cpu()}
-
-        self.model.eval()
-        try:
-            outputs = self._run(micro_batches, step, forward_only=True)
-        finally:
-            if not self.settings.forward_only:
-                self.model.train()
-        result: Optional[list[torch.Tensor]] = None
-        if self.layout.is_last_stage:
-            result = []
-            for out, mb in zip(outputs, micro_batches):
-                for row, length in zip(out["logprobs"], mb.response_lengths):
-                    result.append(row[:length].clone())
-        return self._broadcast_from_last_stage(result)
+        return self._forward_per_response(
+            samples, lambda mb, logits: self._response_logprobs(logits, mb, temperature, with_entropy=False)[0])
 
     @torch.no_grad()
     def compute_values(self, samples: Sequence[dict[str, Any]]) -> list[torch.Tensor]:
@@ -424,11 +406,15 @@ class MegatronTrainer:
         apply_cpu_compat()
         if not self.settings.value_head:
             raise RuntimeError("compute_values needs a MegatronTrainer built with value_head=True")
+        return self._forward_per_response(samples, lambda mb, output: self._response_values(output, mb))
+
+    def _forward_per_response(self, samples: Sequence[dict[str, Any]], per_token) -> list[torch.Tensor]:
+        """Forward-only pass; `per_token(mb, output) -> [B, T]` gives one row per sample, cut to its response."""
         budget = self.settings.logprob_max_tokens_per_micro_batch or self.settings.max_tokens_per_micro_batch
         micro_batches = self._micro_batches(samples, budget)
 
         def step(mb: MicroBatch, output: torch.Tensor):
-            return output.new_zeros(()), {"values": self._response_values(output, mb).detach().cpu()}
+            return output.new_zeros(()), {"rows": per_token(mb, output).detach().cpu()}
 
         self.model.eval()
         try:
@@ -440,7 +426,7 @@ class MegatronTrainer:
         if self.layout.is_last_stage:
             result = []
             for out, mb in zip(outputs, micro_batches):
-                for row, length in zip(out["values"], mb.response_lengths):
+                for row, length in zip(out["rows"], mb.response_lengths):
                     result.append(row[:length].clone())
         return self._broadcast_from_last_stage(result)
 
