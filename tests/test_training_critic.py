@@ -247,5 +247,5 @@ def test_critic_and_opd_flag_rules():
     assert unsupported_flags(config) == []
     opd = _config("--use-opd", "--opd-type", "megatron", "--opd-teacher-load", "/x", "--opd-kl-coef", "0.5")
     assert unsupported_flags(opd) == []
-    sglang = _config("--use-opd", "--opd-type", "sglang")
-    assert unsupported_flags(sglang) == ["--opd-type sglang"]
+    sglang = _config("--use-opd", "--opd-type", "sglang", "--rm-url", "http://127.0.0.1:1")  # tests/test_opd_sglang.py
+    assert unsupported_flags(sglang) == []

@@ -86,4 +86,82 @@ def check_opd(v: dict, explicit) -> None:
         _same_workers(v, "teacher", "the teacher uses the actor's parallel layout")
 
 
-RULES: tuple = (check_reference, check_corrections, check_critic, check_opd)
+def check_train_data(v: dict, explicit) -> None:
+    if v.get("advantage_estimator") == "on_policy_distillation" and not v.get("use_opd"):
+        raise ConfigError("--advantage-estimator on_policy_distillation trains only on the teacher's OPD term; add "
+                          "--use-opd --opd-type megatron --opd-teacher-load PATH, or pick another estimator")
+    convert = v.get("custom_convert_samples_to_train_data_path")
+    if v.get("custom_reward_post_process_path") and convert:
+        raise ConfigError("--custom-convert-samples-to-train-data-path returns the post-processed rewards itself; "
+                          "drop --custom-reward-post-process-path (or do its work in the convert function)")
+    if not v.get("disable_compute_advantages_and_returns"):
+        return
+    for dest, why in (("custom_reward_post_process_path", "post-processes rewards for the advantages"),
+                      ("kl_coef", "shapes the rewards of the advantages"),
+                      ("use_opd", "adds the teacher's term to the advantages")):
+        if v.get(dest):
+            raise ConfigError(f"--{dest.replace('_', '-')} {why}, which --disable-compute-advantages-and-returns "
+                              "skips; drop one of them")
+    if v.get("advantage_estimator") == "ppo":
+        raise ConfigError("--advantage-estimator ppo needs the GAE advantages and returns that "
+                          "--disable-compute-advantages-and-returns skips; drop one of them")
+    if v.get("loss_type") in (None, "policy_loss") and not convert:
+        raise ConfigError("--disable-compute-advantages-and-returns leaves every advantage 0, so the policy loss has "
+                          "no gradient; use --loss-type sft / custom_loss, or give "
+                          "--custom-convert-samples-to-train-data-path returning 'advantages'")
+
+
+def check_old_policy(v: dict, explicit) -> None:
+    if v.get("keep_old_actor") and v.get("use_rollout_logprobs"):
+        raise ConfigError("--keep-old-actor recomputes old log-probs with the rollout policy's weights, which "
+                          "--use-rollout-logprobs replaces by the engine's; drop one of them")
+    if not v.get("true_on_policy_mode"):
+        return
+    if v.get("use_tis") or v.get("use_opsm"):
+        raise ConfigError("--true-on-policy-mode trains on the engine's log-probs and checks that the trainer's "
+                          "match them, so --use-tis / --use-opsm have nothing to correct; drop them")
+    if (v.get("update_weights_interval") or 1) > 1 and not v.get("keep_old_actor"):
+        raise ConfigError("--true-on-policy-mode with --update-weights-interval > 1: the engines roll out with "
+                          "older weights than the trainer's; add --keep-old-actor so the check uses them")
+
+
+# helper E ------------------------------------------------------------------------------------------------------
+def _hf_num_experts(path) -> int | None:
+    """Experts per MoE layer from `<path>/config.json` (0 for a dense model), None when it cannot be read."""
+    import json
+    from pathlib import Path
+
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
+
+
+def check_routing_replay(v: dict, explicit) -> None:
+    if not (v.get("use_routing_replay") or v.get("use_rollout_routing_replay")):  # the latter implies the former
+        return
+    name = "--use-rollout-routing-replay" if v.get("use_rollout_routing_replay") else "--use-routing-replay"
+    if v.get("sequence_parallel") and (v.get("tensor_model_parallel_size") or 1) > 1:
+        raise ConfigError(f"{name} with --sequence-parallel is not supported yet; drop one of them")
+    if v.get("num_experts"):
+        return
+    experts = _hf_num_experts(v["hf_checkpoint"]) if v.get("hf_checkpoint") else None
+    if experts == 0 or (experts is None and not v.get("hf_checkpoint")):
+        raise ConfigError(f"{name} replays MoE routing, but the model is dense (--hf-checkpoint "
+                          f"{v.get('hf_checkpoint')} has no experts); use an MoE model or drop {name}")
+
+
+def check_opd_sglang(v: dict, explicit) -> None:
+    if not (v.get("use_opd") and v.get("opd_type") == "sglang"):
+        return
+    if not v.get("rm_url"):
+        raise ConfigError("--opd-type sglang takes the teacher's log-probs from the SGLang-API server at --rm-url; "
+                          "add --rm-url http://HOST:PORT (or use --opd-type megatron --opd-teacher-load PATH)")
+    if v.get("rm_type") == "remote_rm":
+        raise ConfigError("--opd-type sglang uses --rm-url as the teacher server, so --rm-type remote_rm would send "
+                          "rewards there too; pick another --rm-type or --opd-type megatron")
+
+
+RULES: tuple = (check_reference, check_corrections, check_critic, check_opd, check_train_data, check_old_policy,
+                 check_routing_replay, check_opd_sglang)

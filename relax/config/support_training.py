@@ -16,11 +16,18 @@ TRAINING_FEATURES: frozenset[str] = frozenset({
     "critic_load", "critic_save",
     # on-policy distillation with a Megatron teacher role
     "use_opd", "opd_type", "opd_kl_coef", "opd_teacher_load", "opd_teacher_ckpt_step",
+    # training data, old policy and loss memory (tests/test_training_flags_*.py)
+    "disable_compute_advantages_and_returns", "custom_reward_post_process_path",
+    "custom_convert_samples_to_train_data_path", "use_rollout_entropy", "recompute_loss_function",
+    "keep_old_actor", "true_on_policy_mode",
+    # helper E: MoE routing replay (tests/test_routing_replay.py)
+    "use_routing_replay",
 })
 
 # Values of flags whose other values are not built yet (merge into relax.config.support.SUPPORTED_VALUES):
 TRAINING_SUPPORTED_VALUES: dict[str, frozenset] = {
-    "advantage_estimator": frozenset({"reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"}),
-    "opd_type": frozenset({"megatron"}),
+    "advantage_estimator": frozenset({"reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo",
+                                      "on_policy_distillation"}),
+    "opd_type": frozenset({"megatron", "sglang"}),  # sglang: helper E (tests/test_opd_sglang.py)
     "loss_type": frozenset({"custom_loss", "sft"}),
 }

@@ -10,6 +10,8 @@ A role is a group of Ray actors created in `build_aux_roles`; runs without such 
 Roles built here, each one Ray actor per actor rank (the actor's parallel layout), in its own placement group:
   * reference (--use-kl-loss / --kl-coef): `ref_logprobs` before the actor trains;
   * teacher (--use-opd --opd-type megatron): `teacher_logprobs` before the actor trains (OPD advantages);
+    with --opd-type sglang the teacher is an SGLang-API server at --rm-url instead of a role
+    (relax.rollout.teacher_client.SGLangTeacher, called from the controller with the same interface);
   * critic (--advantage-estimator ppo): `values` before the actor trains; the actor computes GAE advantages and
     returns (relax.training.advantages) and hands the returns back in its result under
     `relax.training.step.CRITIC_RETURNS_KEY`, which `post_train` takes out of the metrics to train the critic
@@ -181,7 +183,7 @@ class TrainingAuxRoles(AuxRoles):
     peers right after that step's update)."""
 
     def __init__(self, config: Any, reference: ReferenceGroup | None, critic: CriticGroup | None = None,
-                 teacher: TeacherGroup | None = None):
+                 teacher: Any = None):  # a TeacherGroup, or an SGLangTeacher (--opd-type sglang)
         self.config = config
         self.reference = reference
         self.critic = critic
@@ -260,7 +262,8 @@ class TrainingAuxRoles(AuxRoles):
 
 def build_aux_roles(config: Any, *, use_gpu: bool, data_plane: Any) -> AuxRoles:
     """Create the auxiliary role groups this config needs: a reference for --use-kl-loss / --kl-coef, a critic
-    for --advantage-estimator ppo, a teacher for --use-opd --opd-type megatron."""
+    for --advantage-estimator ppo, a teacher for --use-opd --opd-type megatron (an HTTP client of --rm-url for
+    --opd-type sglang)."""
     from relax.training.step import needs_critic, needs_reference, needs_teacher
 
     if config.debug_rollout_only:
@@ -271,6 +274,10 @@ def build_aux_roles(config: Any, *, use_gpu: bool, data_plane: Any) -> AuxRoles:
             groups["reference"] = ReferenceGroup(config, use_gpu=use_gpu)
         if needs_teacher(config):
             groups["teacher"] = TeacherGroup(config, use_gpu=use_gpu)
+        elif getattr(config, "use_opd", False) and config.opd_type == "sglang":
+            from relax.rollout.teacher_client import SGLangTeacher
+
+            groups["teacher"] = SGLangTeacher.from_config(config, data_plane)
         if needs_critic(config):
             groups["critic"] = CriticGroup(config, use_gpu=use_gpu)
     except BaseException:

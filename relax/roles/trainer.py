@@ -33,6 +33,8 @@ def trainer_settings(config: Any, *, forward_only: bool = False):
         use_distributed_optimizer=bool(config.use_distributed_optimizer),
         micro_batch_size=config.micro_batch_size,
         logprob_chunk_size=None if config.log_probs_chunk_size in (None, -1) else config.log_probs_chunk_size,
+        recompute_loss_function=bool(getattr(config, "recompute_loss_function", False)) and not forward_only,
+        routing_replay=bool(getattr(config, "use_routing_replay", False)) and not forward_only,  # helper E
     )
 
 
@@ -57,6 +59,8 @@ class TrainerWorker(MegatronRank):
         self.trainer.load_hf(self.config.hf_checkpoint)
         if self.config.ref_load:  # the actor starts from the reference weights (--load, if any, comes later)
             self.trainer.load_weights(self.config.ref_load, self.config.ref_ckpt_step)
+        if self.config.keep_old_actor:  # the engines start from these weights (see push_weights)
+            self.trainer.keep_weights("old_actor")
         self.data = DataPlane.attach()
         return {"rank": self.rank, "dp": self.trainer.layout.dp, "params": sum(
             p.numel() for p in self.trainer.gpt_model.parameters())}
@@ -94,6 +98,8 @@ class TrainerWorker(MegatronRank):
 
         t0 = time.perf_counter()
         named = list(self.trainer.export_hf_weights())
+        if self.config.keep_old_actor:  # the policy the engines roll out with until the next push
+            self.trainer.keep_weights("old_actor")
         if self.rank != 0:
             return {}
         report = push_for_config(named, engine_urls, version, self.config)

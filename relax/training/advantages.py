@@ -2,7 +2,7 @@
 
 Every estimator yields per-token advantages (one tensor per sample, over its response tokens):
 
-* group estimators (grpo, gspo, sapo, cispo, on_policy_distillation) and rloo: one advantage per
+* group estimators (grpo, gspo, sapo, cispo) and rloo: one advantage per
   sample, broadcast over its tokens; with `--kl-coef` the sample advantage becomes the reward at the
   last token, each token gets `-kl_coef * KL_t`, and the advantage is the return-to-go
   (`relax.algorithms.kl_penalized_token_rewards` + `discounted_returns` with `--gamma`);
@@ -11,6 +11,11 @@ Every estimator yields per-token advantages (one tensor per sample, over its res
 * ppo: GAE (`--gamma`, `--lambd`) over token rewards (the sample's raw reward on its last token,
   `-kl_coef * KL_t` per token with `--kl-coef`) and the critic's values (`relax.roles.critic`); the
   returns (advantages + values, before whitening) are the critic's regression targets;
+* on_policy_distillation (needs --use-opd): pure distillation, the rewards are not used; the reward part of the
+  advantage is 0 (plus `-kl_coef * KL_t` return-to-go with `--kl-coef`) and the OPD term below is all;
+* `--custom-reward-post-process-path` / `--custom-convert-samples-to-train-data-path` give post-processed
+  rewards (`rewards=`): the group estimators and rloo use them as the per-sample advantage as given (no group
+  normalisation on top), the other estimators use them in place of the raw rewards;
 * `--normalize-advantages`: masked whitening over all response tokens of the step;
 * `--use-opd` (any estimator): `opd_kl_coef * (log pi_teacher - log pi_rollout)` per token is added
   after whitening (`relax.algorithms.opd_advantages`), the teacher's log-probs from the teacher role.
@@ -29,9 +34,10 @@ import torch
 from relax import algorithms as alg
 from relax.data.sample import Sample
 
-GROUP_ESTIMATORS = {"grpo", "gspo", "sapo", "cispo", "on_policy_distillation"}
+GROUP_ESTIMATORS = {"grpo", "gspo", "sapo", "cispo"}
+DISTILLATION = "on_policy_distillation"
 TOKEN_ESTIMATORS = {"reinforce_plus_plus", "reinforce_plus_plus_baseline"}
-SUPPORTED = frozenset(GROUP_ESTIMATORS | TOKEN_ESTIMATORS | {"rloo", "ppo"})
+SUPPORTED = frozenset(GROUP_ESTIMATORS | TOKEN_ESTIMATORS | {"rloo", "ppo", DISTILLATION})
 
 
 def pad_rows(rows: Sequence[Sequence[float] | torch.Tensor], width: int, dtype=torch.float32) -> torch.Tensor:
@@ -48,11 +54,17 @@ def response_mask(samples: Sequence[Sample]) -> torch.Tensor:
     return pad_rows([s.loss_mask or [1] * len(s.response_tokens) for s in samples], width) > 0
 
 
-def sample_advantages(samples: Sequence[Sample], config: Any) -> torch.Tensor:
-    """One advantage per sample ([B] float32) for the group estimators and rloo."""
+def sample_advantages(samples: Sequence[Sample], config: Any, rewards: torch.Tensor | None = None) -> torch.Tensor:
+    """One advantage per sample ([B] float32) for the group estimators, rloo and on_policy_distillation (zeros).
+
+    `rewards`: post-processed rewards ([B]), used as given."""
+    est = config.advantage_estimator
+    if est == DISTILLATION:
+        return torch.zeros(len(samples), dtype=torch.float32)
+    if rewards is not None:
+        return torch.as_tensor(rewards, dtype=torch.float32).clone()
     rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float32)
     groups = torch.tensor([int(s.group_index) for s in samples], dtype=torch.long)
-    est = config.advantage_estimator
     if config.disable_rewards_normalization:
         return rewards.clone()
     if est in GROUP_ESTIMATORS:
@@ -70,13 +82,14 @@ def compute_advantages(
     ref_logprobs: Sequence[torch.Tensor] | None = None,
     values: Sequence[torch.Tensor] | None = None,
     teacher_logprobs: Sequence[torch.Tensor] | None = None,
+    rewards: torch.Tensor | None = None,
 ) -> tuple[list[torch.Tensor], dict[str, float]]:
     """Per-token advantages (one float32 tensor per sample, length = its response) and metrics.
 
     See `compute_advantages_and_returns` for the inputs."""
     adv, _, metrics = compute_advantages_and_returns(samples, config, old_logprobs=old_logprobs,
                                                      ref_logprobs=ref_logprobs, values=values,
-                                                     teacher_logprobs=teacher_logprobs)
+                                                     teacher_logprobs=teacher_logprobs, rewards=rewards)
     return adv, metrics
 
 
@@ -88,13 +101,15 @@ def compute_advantages_and_returns(
     ref_logprobs: Sequence[torch.Tensor] | None = None,
     values: Sequence[torch.Tensor] | None = None,
     teacher_logprobs: Sequence[torch.Tensor] | None = None,
+    rewards: torch.Tensor | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, dict[str, float]]:
     """(per-token advantages, per-token returns or None, metrics); one float32 tensor per sample, over its
     response.
 
     All inputs are per sample, over the response: `old_logprobs` (the rollout policy's) and `ref_logprobs`
     are needed with `--kl-coef`; `values` (the critic's) with `ppo`, which alone yields returns;
-    `old_logprobs` and `teacher_logprobs` with `--use-opd`.
+    `old_logprobs` and `teacher_logprobs` with `--use-opd`. `rewards` ([B]): post-processed rewards (a custom
+    reward post-process or samples-to-train-data function), used as given; default the samples' rewards.
     """
     est = config.advantage_estimator
     if est not in SUPPORTED:
@@ -111,7 +126,12 @@ def compute_advantages_and_returns(
         kl = alg.kl_estimate(pad_rows(old_logprobs, width), pad_rows(ref_logprobs, width), config.kl_loss_type,
                              mask=mask)
         metrics["kl_reward"] = float(kl.sum() / mask.sum().clamp_min(1))
-    rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float32)
+    post_processed = rewards
+    if rewards is None:
+        rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float32)
+    rewards = torch.as_tensor(rewards, dtype=torch.float32)
+    if rewards.shape != (len(samples),):
+        raise ValueError(f"{tuple(rewards.shape)} post-processed rewards for {len(samples)} samples")
     returns = None
     if est == "reinforce_plus_plus":
         adv = alg.reinforce_plus_plus_advantages(rewards, mask, kl=kl, kl_coef=kl_coef, gamma=config.gamma,
@@ -127,7 +147,7 @@ def compute_advantages_and_returns(
         adv = alg.reinforce_plus_plus_baseline_advantages(rewards, groups, mask, kl=kl, kl_coef=kl_coef,
                                                           whiten_advantages=False)
     else:
-        per_sample = sample_advantages(samples, config)
+        per_sample = sample_advantages(samples, config, post_processed)
         if kl is not None:
             shaped = alg.kl_penalized_token_rewards(per_sample, mask, kl=kl, kl_coef=kl_coef)
             adv = alg.discounted_returns(shaped, mask, config.gamma)

@@ -26,7 +26,9 @@ class PolicyObjective:
 
     batch fields used: `advantages` [B,T], `old_logprobs` [B,T] (absent: on-policy, ratio 1 with the
     current log-probs detached), `loss_mask` [B,T], `rollout_logprobs` [B,T] (the engine's; TIS, OPSM,
-    mismatch metrics), `ref_logprobs` [B,T] (KL loss).
+    mismatch metrics), `ref_logprobs` [B,T] (KL loss), `old_entropy` [B,T] (--use-rollout-entropy: the rollout
+    policy's per-token entropy from the log-prob pass; train/entropy, and for custom losses, e.g. entropy-based
+    token masks).
 
     loss = reduce(pg_per_token [* TIS weight] [* OPSM keep]) - entropy_coef * H + kl_loss_coef * KL
 
@@ -45,7 +47,8 @@ class PolicyObjective:
                  kl_loss_type: str = "k1", use_unbiased_kl: bool = False, use_tis: bool = False,
                  tis_clip: float = 2.0, tis_clip_low: float = 0.0, use_opsm: bool = False, opsm_delta: float = 1e-4,
                  get_mismatch_metrics: bool = False, custom_tis: Optional[Callable] = None,
-                 custom_reducer: Optional[Callable] = None, custom_loss: Optional[Callable] = None):
+                 custom_reducer: Optional[Callable] = None, custom_loss: Optional[Callable] = None,
+                 entropy_from_batch: bool = False):
         if loss_type == "policy_loss" and estimator not in SUPPORTED_ESTIMATORS:
             raise ValueError(f"advantage estimator {estimator!r} has no policy loss here")
         if loss_type == "custom_loss" and custom_loss is None:
@@ -63,7 +66,10 @@ class PolicyObjective:
         self.use_opsm, self.opsm_delta = use_opsm, opsm_delta
         self.get_mismatch_metrics = get_mismatch_metrics
         self.custom_tis, self.custom_reducer, self.custom_loss = custom_tis, custom_reducer, custom_loss
-        self.needs_entropy = True  # reported as train/entropy; cheap next to the forward pass
+        # reported as train/entropy; cheap next to the forward pass. With --use-rollout-entropy (`entropy_from_batch`)
+        # and no entropy bonus, train/entropy is the batch's `old_entropy` (from the log-prob pass) instead.
+        self.entropy_from_batch = entropy_from_batch
+        self.needs_entropy = not (entropy_from_batch and not entropy_coef)
 
     @classmethod
     def from_config(cls, config: Any) -> "PolicyObjective":
@@ -79,7 +85,8 @@ class PolicyObjective:
                    custom_reducer=_hook(config.custom_pg_loss_reducer_function_path,
                                         "--custom-pg-loss-reducer-function-path"),
                    custom_loss=_hook(config.custom_loss_function_path, "--custom-loss-function-path")
-                   if config.loss_type == "custom_loss" else None)
+                   if config.loss_type == "custom_loss" else None,
+                   entropy_from_batch=bool(getattr(config, "use_rollout_entropy", False)))
 
     @property
     def needs_ref(self) -> bool:
@@ -140,6 +147,8 @@ class PolicyObjective:
             report["entropy"] = ent.detach()
             if self.entropy_coef:
                 loss = loss - self.entropy_coef * ent
+        elif self.entropy_from_batch and batch.get("old_entropy") is not None:
+            report["entropy"] = alg.reduce_loss(batch["old_entropy"], mask, self.reduction).detach()
         if self.use_kl_loss:
             ref = batch.get("ref_logprobs")
             if ref is None:

@@ -73,12 +73,15 @@ def train_rollout(trainer, samples: Sequence[Sample], config: Any, extras: dict[
     makes no update."""
     from relax.training.advantages import compute_advantages_and_returns, trainer_inputs
     from relax.training.objective import PolicyObjective
+    from relax.training.train_data import check_true_on_policy, train_samples
 
     t0 = time.perf_counter()
     extras = extras or {}
     if not samples:
         raise RuntimeError(f"step {step}: no samples in the data plane")
     _check_extras(samples, extras, step)
+    custom_data = bool(config.custom_convert_samples_to_train_data_path or config.custom_reward_post_process_path)
+    samples, raw_rewards, rewards, given_advantages = train_samples(samples, config, extras, step)
     objective = PolicyObjective.from_config(config)
     ref_rows = extras.get("ref_logprobs")
     if (objective.needs_ref or config.kl_coef) and ref_rows is None:
@@ -99,23 +102,38 @@ def train_rollout(trainer, samples: Sequence[Sample], config: Any, extras: dict[
     gbs = config.global_batch_size or len(samples)
     num_updates = max(1, len(samples) // gbs)
     base = trainer_inputs(samples, [0.0] * len(samples))
-    olds = None
-    if config.use_rollout_logprobs:
-        olds = [x["rollout_logprobs"] for x in base]
-    elif num_updates > 1 or config.kl_coef or use_opd:
-        olds = trainer.compute_logprobs(base, temperature)
-    advantages, returns, adv_metrics = compute_advantages_and_returns(
-        samples, config, old_logprobs=olds, ref_logprobs=ref, values=values, teacher_logprobs=teacher)
+    olds, old_entropy, recomputed = _old_logprobs(trainer, base, config, num_updates, step)
+    routes = _replay_routes(trainer, base, config)
+    on_policy_diff = None
+    if config.true_on_policy_mode:
+        on_policy_diff = check_true_on_policy(samples, recomputed, step)
+    if config.disable_compute_advantages_and_returns:
+        advantages = given_advantages or [torch.zeros(len(s.response_tokens)) for s in samples]
+        returns, adv_metrics = None, {}
+    else:
+        advantages, returns, adv_metrics = compute_advantages_and_returns(
+            samples, config, old_logprobs=olds, ref_logprobs=ref, values=values, teacher_logprobs=teacher,
+            rewards=rewards)
     inputs = trainer_inputs(samples, advantages)
     for i, x in enumerate(inputs):
         if olds is not None:
             x["old_logprobs"] = olds[i]
         if ref is not None:
             x["ref_logprobs"] = ref[i]
+        if routes is not None:
+            x["routed_experts"] = routes[i]
+        if old_entropy is not None:
+            x["old_entropy"] = old_entropy[i]
+    if getattr(config, "save_debug_train_data", None):
+        from relax.observability.train_dump import save_train_data
+
+        save_train_data(config.save_debug_train_data, step, _global_rank(), inputs, [s.index for s in samples])
     metrics: dict[str, list[float]] = {}
     for update in range(num_updates if update_actor else 0):
         batch = inputs[update * gbs:(update + 1) * gbs]
-        mine = batch[layout.dp_rank::layout.dp]
+        mine, spread = dp_share(batch, layout, bool(getattr(config, "balance_data", False)))
+        for key, value in spread.items():
+            metrics.setdefault(key, []).append(value)
         try:
             out = trainer.train_step(mine, objective, temperature)
         except FloatingPointError as exc:
@@ -140,6 +158,12 @@ def train_rollout(trainer, samples: Sequence[Sample], config: Any, extras: dict[
     if "critic_seconds" in extras:
         result["perf/critic_value_time"] = float(extras["critic_seconds"])
     result["train/num_updates"] = float(num_updates if update_actor else 0)
+    if custom_data:
+        result["train/raw_reward_mean"] = float(raw_rewards.mean())
+        if rewards is not None:
+            result["train/reward_mean"] = float(rewards.mean())
+    if on_policy_diff is not None:
+        result["train/true_on_policy_max_abs_diff"] = on_policy_diff
     if values is not None:
         result["train/advantages_mean"] = _masked_mean(advantages, inputs)
     if returns is not None:
@@ -149,7 +173,65 @@ def train_rollout(trainer, samples: Sequence[Sample], config: Any, extras: dict[
     return result
 
 
+def dp_share(batch: Sequence[dict[str, Any]], layout, balance: bool) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """This rank's samples of one update (--balance-data: Karmarkar-Karp on token counts, else strided) and
+    the spread of token totals across the data-parallel ranks (max - min): `dp_token_spread` for the assignment
+    used, `dp_token_spread_strided` for the default one."""
+    from relax.data.balance import dp_shares, strided_shares, token_spread
+
+    lengths = [len(x["tokens"]) for x in batch]
+    shares = dp_shares(lengths, layout.dp, balance)
+    return [batch[i] for i in shares[layout.dp_rank]], {
+        "dp_token_spread": float(token_spread(lengths, shares)[0]),
+        "dp_token_spread_strided": float(token_spread(lengths, strided_shares(len(lengths), layout.dp))[0])}
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 CRITIC_RETURNS_KEY = "critic_returns"  # not a metric: the critic role pops it from the actor's result
+
+
+def _replay_routes(trainer, base: Sequence[dict[str, Any]], config: Any) -> list[torch.Tensor] | None:
+    """--use-routing-replay (helper E): each sample's MoE routing [L, n, k] under the old policy (the weights of
+    the old log-probs: --keep-old-actor's copy, else the current ones), recorded in a forward pass of its own;
+    the training passes of this step replay it (relax.backends.megatron.routing_replay)."""
+    if not getattr(config, "use_routing_replay", False):
+        return None
+    weights = "old_actor" if getattr(config, "keep_old_actor", False) else None
+    return trainer.compute_logprobs_and_routes(base, config.rollout_temperature, weights=weights)[1]
+
+
+def _old_logprobs(trainer, base: Sequence[dict[str, Any]], config: Any, num_updates: int, step: int):
+    """(old log-probs or None, old entropy or None, the trainer's recomputed log-probs or None), per sample.
+
+    The old policy is the one that generated the samples: the engine's own log-probs with
+    --use-rollout-logprobs / --true-on-policy-mode, else recomputed by the trainer (with --keep-old-actor under
+    the weights last sent to the engines). They are needed for several updates per step, KL reward shaping,
+    OPD and --keep-old-actor; otherwise the loss uses the current log-probs (ratio 1). --use-rollout-entropy
+    takes the entropy from the same pass; --true-on-policy-mode always recomputes (to check it)."""
+    keep_old = bool(config.keep_old_actor)
+    if keep_old and not trainer.has_kept_weights("old_actor"):
+        raise RuntimeError(f"step {step}: --keep-old-actor: no copy of the rollout policy's weights was kept")
+    weights = "old_actor" if keep_old else None
+    engine = bool(config.use_rollout_logprobs or config.true_on_policy_mode)
+    wanted = (num_updates > 1 or bool(config.kl_coef) or bool(getattr(config, "use_opd", False)) or keep_old)
+    recompute = config.true_on_policy_mode or config.use_rollout_entropy or (wanted and not engine)
+    recomputed = entropy = None
+    if recompute:
+        if config.use_rollout_entropy:
+            recomputed, entropy = trainer.compute_logprobs_and_entropy(base, config.rollout_temperature,
+                                                                       weights=weights)
+        else:
+            recomputed = trainer.compute_logprobs(base, config.rollout_temperature, weights=weights)
+    if engine:
+        olds = [x["rollout_logprobs"] for x in base]
+    else:
+        olds = recomputed if wanted else None
+    return olds, entropy, recomputed
 
 
 def _masked_mean(rows: Sequence[torch.Tensor], inputs: Sequence[dict[str, Any]]) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import socket
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any, Iterator, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from relax.backends.megatron.arch import ModelArch, to_transformer_config
 from relax.backends.megatron.batching import MicroBatch, make_micro_batches
@@ -83,6 +85,13 @@ class TrainerSettings:
     # Critic: the LM head is replaced by a scalar value head (relax.backends.megatron.model.ValueHead);
     # `compute_values` instead of `compute_logprobs`, and `train_step`'s loss_fn gets values, not log-probs.
     value_head: bool = False
+    # --recompute-loss-function: logits -> log-probs -> loss of each micro-batch runs under activation
+    # checkpointing (torch.utils.checkpoint): its float32 softmax intermediates are freed after the forward pass
+    # and recomputed in backward (the loss function runs twice per micro-batch).
+    recompute_loss_function: bool = False
+    # --use-routing-replay (helper E): MoE routers get Megatron's RouterReplay; `compute_logprobs_and_routes` records
+    # each sample's top-k experts and `train_step` replays samples' `routed_experts` (see routing_replay.py).
+    routing_replay: bool = False
 
 
 def select_frozen(names: Sequence[str], trainable: Sequence[str], frozen: Sequence[str]) -> set[str]:
@@ -169,6 +178,7 @@ class MegatronTrainer:
             sequence_parallel=settings.sequence_parallel,
             recompute_granularity="full" if settings.recompute_activations else None,
             use_cpu_initialization=compute_device().type == "cpu",
+            **self._routing_replay_overrides(arch, settings),
         )
         gpt = build_gpt_model(arch, self.config, settings.use_te, value_head=settings.value_head,
                               value_head_seed=settings.seed)
@@ -222,6 +232,20 @@ class MegatronTrainer:
         # Megatron's scheduler gives step 0 the warm-up's initial lr; start at step 1
         # so that the first update already uses lr_init + (lr - lr_init) / warmup.
         self.scheduler.step(increment=1)
+
+    @staticmethod
+    def _routing_replay_overrides(arch: ModelArch, settings: TrainerSettings) -> dict[str, Any]:
+        if not settings.routing_replay:
+            return {}
+        from relax.backends.megatron.routing_replay import replay_supported
+
+        if not arch.is_moe:
+            raise ValueError("routing replay needs an MoE model (this one is dense)")
+        why = replay_supported(settings.pp, settings.recompute_activations,
+                              settings.sequence_parallel and settings.tp > 1, settings.cp)
+        if why:
+            raise NotImplementedError(why)
+        return {"moe_enable_routing_replay": True}
 
     # ------------------------------------------------------------------ #
     # Weights                                                             #
@@ -360,12 +384,17 @@ class MegatronTrainer:
         ).unsqueeze(1)
         return values.masked_fill(~valid, 0.0)
 
-    def _run(self, micro_batches: list[MicroBatch], step_fn, forward_only: bool) -> list[dict]:
+    def _run(self, micro_batches: list[MicroBatch], step_fn, forward_only: bool, hooks: Any = None) -> list[dict]:
+        """`hooks` (routing replay): `hooks.before(mb)` / `hooks.after(mb)` around each micro-batch's forward."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            if hooks is not None:
+                hooks.before(mb)
             output = model(mb.tokens, mb.position_ids, None)
+            if hooks is not None:
+                hooks.after(mb)
             return output, partial(step_fn, mb)
 
         return get_forward_backward_func()(
@@ -393,12 +422,75 @@ class MegatronTrainer:
 
     @torch.no_grad()
     def compute_logprobs(
-        self, samples: Sequence[dict[str, Any]], temperature: float = 1.0
+        self, samples: Sequence[dict[str, Any]], temperature: float = 1.0, *, weights: Optional[str] = None
     ) -> list[torch.Tensor]:
-        """Log-probs (float32, CPU) of each sample's response tokens under the current weights."""
+        """Log-probs (float32, CPU) of each sample's response tokens under the current weights, or under the
+        weights kept by `keep_weights(weights)` (the current ones are restored afterwards)."""
         apply_cpu_compat()
-        return self._forward_per_response(
-            samples, lambda mb, logits: self._response_logprobs(logits, mb, temperature, with_entropy=False)[0])
+        with self.using_kept_weights(weights):
+            return self._forward_per_response(
+                samples, lambda mb, logits: self._response_logprobs(logits, mb, temperature, with_entropy=False)[0])
+
+    @torch.no_grad()
+    def compute_logprobs_and_routes(
+        self, samples: Sequence[dict[str, Any]], temperature: float = 1.0, *, weights: Optional[str] = None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(log-probs as `compute_logprobs`, routes): routes[i] is sample i's MoE routing in this pass, a LongTensor
+        [L, n, k] (this pipeline stage's L MoE layers, its n tokens, top-k experts); give it back as the sample's
+        `routed_experts` to `train_step` to replay it (needs `routing_replay`)."""
+        from relax.backends.megatron.routing_replay import RouteRecorder, model_routers
+
+        apply_cpu_compat()
+        with self.using_kept_weights(weights), RouteRecorder(model_routers(self.gpt_model)) as recorder:
+            logprobs = self._forward_per_response(
+                samples, lambda mb, logits: self._response_logprobs(logits, mb, temperature, with_entropy=False)[0],
+                hooks=recorder)
+        return logprobs, recorder.routes
+
+    @torch.no_grad()
+    def compute_logprobs_and_entropy(
+        self, samples: Sequence[dict[str, Any]], temperature: float = 1.0, *, weights: Optional[str] = None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(log-probs, entropies): per sample, float32 CPU rows over its response, from one forward pass; the
+        entropy is that of the tempered distribution at each response position."""
+        apply_cpu_compat()
+
+        def both(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
+            logprobs, entropy = self._response_logprobs(logits, mb, temperature, with_entropy=True)
+            return torch.stack([logprobs, entropy], dim=-1)
+
+        with self.using_kept_weights(weights):
+            rows = self._forward_per_response(samples, both)
+        return [r[:, 0].clone() for r in rows], [r[:, 1].clone() for r in rows]
+
+    # Kept weight copies (--keep-old-actor): host copies of this rank's shard, swapped in for forward passes.
+    def keep_weights(self, name: str = "old_actor") -> None:
+        """Keep a host copy of this rank's current weights under `name` (replacing an earlier one)."""
+        if not hasattr(self, "_kept_weights"):
+            self._kept_weights: dict[str, dict[str, Any]] = {}
+        self._kept_weights[name] = self.model_state()
+
+    def has_kept_weights(self, name: str = "old_actor") -> bool:
+        return name in getattr(self, "_kept_weights", {})
+
+    @contextmanager
+    def using_kept_weights(self, name: Optional[str]):
+        """Within the block the model holds the weights kept as `name` (None: no change); the current weights
+        are put back exactly afterwards. Optimizer state and main params are not touched."""
+        if name is None:
+            yield
+            return
+        if not self.has_kept_weights(name):
+            raise RuntimeError(f"no weights kept as {name!r} (call keep_weights first)")
+        model = unwrap_model(self.model)
+        current = self.model_state()
+        with torch.no_grad():
+            model.load_state_dict(self._kept_weights[name], strict=True)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                model.load_state_dict(current, strict=True)
 
     @torch.no_grad()
     def compute_values(self, samples: Sequence[dict[str, Any]]) -> list[torch.Tensor]:
@@ -408,7 +500,8 @@ class MegatronTrainer:
             raise RuntimeError("compute_values needs a MegatronTrainer built with value_head=True")
         return self._forward_per_response(samples, lambda mb, output: self._response_values(output, mb))
 
-    def _forward_per_response(self, samples: Sequence[dict[str, Any]], per_token) -> list[torch.Tensor]:
+    def _forward_per_response(self, samples: Sequence[dict[str, Any]], per_token,
+                              hooks: Any = None) -> list[torch.Tensor]:
         """Forward-only pass; `per_token(mb, output) -> [B, T]` gives one row per sample, cut to its response."""
         budget = self.settings.logprob_max_tokens_per_micro_batch or self.settings.max_tokens_per_micro_batch
         micro_batches = self._micro_batches(samples, budget)
@@ -418,7 +511,7 @@ class MegatronTrainer:
 
         self.model.eval()
         try:
-            outputs = self._run(micro_batches, step, forward_only=True)
+            outputs = self._run(micro_batches, step, forward_only=True, hooks=hooks)
         finally:
             if not self.settings.forward_only:
                 self.model.train()
@@ -480,12 +573,18 @@ class MegatronTrainer:
             weights = {id(mb): w * len(micro_batches) * self.layout.dp / max(total.item(), 1e-12)
                        for mb, w in zip(micro_batches, local)}
 
-        def step(mb: MicroBatch, logits: torch.Tensor):
+        def micro_batch_loss(mb: MicroBatch, logits: torch.Tensor):
             if self.settings.value_head:  # a critic: the loss function gets values [B, R] in place of log-probs
                 logprobs, entropy = self._response_values(logits, mb), None
             else:
                 logprobs, entropy = self._response_logprobs(logits, mb, temperature, with_entropy)
-            loss, metrics = loss_fn(logprobs, entropy, mb.fields, mb.mask)
+            return loss_fn(logprobs, entropy, mb.fields, mb.mask)
+
+        def step(mb: MicroBatch, logits: torch.Tensor):
+            if self.settings.recompute_loss_function and logits.requires_grad:
+                loss, metrics = checkpoint(micro_batch_loss, mb, logits, use_reentrant=False)
+            else:
+                loss, metrics = micro_batch_loss(mb, logits)
             report = {"loss": loss.detach().float()}
             for key, value in metrics.items():
                 report[key] = torch.as_tensor(value, dtype=torch.float32).detach().to(self._device)
@@ -494,7 +593,8 @@ class MegatronTrainer:
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._run(micro_batches, step, forward_only=False)
+        with self._route_replayer(samples) as replayer:
+            outputs = self._run(micro_batches, step, forward_only=False, hooks=replayer)
         metrics = self._reduce_metrics(outputs, dp_group, counts.item())
         self._check_finite(metrics)
         lr = float(self.optimizer.param_groups[0]["lr"])
@@ -509,6 +609,20 @@ class MegatronTrainer:
             loss_scale=float(self.optimizer.get_loss_scale().item()),
         )
         return metrics
+
+    @contextmanager
+    def _route_replayer(self, samples: Sequence[dict[str, Any]]):
+        """Routing replay of the samples' `routed_experts` (all or none of them carry routes)."""
+        from relax.backends.megatron.routing_replay import ROUTES_KEY, RouteReplayer, model_routers
+
+        routes = [s.get(ROUTES_KEY) for s in samples]
+        if all(r is None for r in routes):
+            yield None
+            return
+        if any(r is None for r in routes) or not self.settings.routing_replay:
+            raise ValueError(f"samples carry {ROUTES_KEY!r}: all of them must, and the trainer needs routing_replay")
+        with RouteReplayer(model_routers(self.gpt_model), routes, self.arch.moe_router_topk) as replayer:
+            yield replayer
 
     def _check_finite(self, metrics: dict[str, float]) -> None:
         """Raise (on every rank) if the loss or any gradient is NaN/Inf; grads are then zeroed."""

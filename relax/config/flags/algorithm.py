@@ -10,7 +10,9 @@ def add_flags(parser):
     g = parser.add_argument_group("Advantage estimation")
     g.add_argument("--advantage-estimator", type=str, default="grpo", choices=ADVANTAGE_ESTIMATORS,
                    help="How advantages are computed from rewards. On-policy distillation can be added to any "
-                        "estimator with --opd-kl-coef.")
+                        "estimator with --use-opd; on_policy_distillation is pure distillation: rewards are ignored "
+                        "and the advantage is only the OPD term opd_kl_coef * (log p_teacher - log p_student) "
+                        "(needs --use-opd).")
     g.add_argument("--normalize-advantages", action="store_true", default=False,
                    help="Whiten advantages over the batch (masked mean 0, std 1).")
     g.add_argument("--disable-grpo-std-normalization", action="store_true", default=False,
@@ -18,7 +20,9 @@ def add_flags(parser):
     g.add_argument("--disable-rewards-normalization", action="store_true", default=False,
                    help="Use raw rewards as advantages (no group centring).")
     g.add_argument("--disable-compute-advantages-and-returns", action="store_true", default=False,
-                   help="Skip advantage/return computation (SFT or custom losses).")
+                   help="Skip advantage/return computation (SFT or custom losses that compute their own): "
+                        "advantages are 0, or the 'advantages' a --custom-convert-samples-to-train-data-path "
+                        "function returns; no returns (not with ppo, --kl-coef or --use-opd).")
     g.add_argument("--gamma", type=float, default=1.0, help="Discount factor for GAE and REINFORCE++ returns.")
     g.add_argument("--lambd", type=float, default=1.0, help="GAE lambda.")
 
@@ -75,7 +79,10 @@ def add_flags(parser):
     g = parser.add_argument_group("Other training options")
     g.add_argument("--reset-optimizer-states", action="store_true", default=False, help="Zero optimizer state after every rollout.")
     g.add_argument("--use-rollout-entropy", action="store_true", default=False,
-                   help="Compute entropy along with log-probs (for entropy-based loss masks).")
+                   help="Compute the per-token entropy of the rollout policy in the same pass as the old "
+                        "log-probs; it reaches the loss as batch['old_entropy'] (for entropy-based loss masks in a "
+                        "custom loss) and is the train/entropy metric (the training pass then skips entropy unless "
+                        "--entropy-coef is set).")
     g.add_argument("--get-mismatch-metrics", action="store_true", default=False,
                    help="Report trainer/engine log-prob mismatch (needs --custom-tis-function-path).")
 

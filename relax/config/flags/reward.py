@@ -13,11 +13,17 @@ def add_flags(parser):
     g.add_argument("--reward-key", type=str, default=None, help="Key of the reward when the reward function returns a dict.")
     g.add_argument("--eval-reward-key", type=str, default=None, help="Reward key for evaluation (default --reward-key).")
     g.add_argument("--group-rm", action="store_true", default=False, help="Score each prompt's group of responses in one call.")
-    g.add_argument("--rm-url", type=str, default=None, help="URL of the remote reward service (--rm-type remote_rm).")
+    g.add_argument("--rm-url", type=str, default=None, help="URL of the remote reward service (--rm-type remote_rm), or of the "
+                   "teacher's SGLang-API server (--opd-type sglang).")
     g.add_argument("--custom-reward-post-process-path", type=str, default=None,
-                   help="Dotted path of a reward post-processing function (default: GRPO group normalisation).")
+                   help="Dotted path of fn(args, samples) -> (raw_rewards, rewards), one float per sample each; "
+                        "replaces the default reward normalisation (GRPO group centring/scaling): group estimators "
+                        "and rloo use `rewards` as the advantage as given, the others in place of the raw rewards.")
     g.add_argument("--custom-convert-samples-to-train-data-path", type=str, default=None,
-                   help="Dotted path of a function (args, samples) -> dict of training data.")
+                   help="Dotted path of fn(args, samples) -> dict of per-sample lists: tokens and "
+                        "response_lengths (required), loss_masks, rewards (post-processed, used as given; required "
+                        "unless --disable-compute-advantages-and-returns), advantages (per token, only with that "
+                        "flag), rollout_log_probs, raw_reward. See relax.training.train_data.")
     g.add_argument("--reward-error-policy", type=str, default="fail", choices=["fail", "zero"],
                    help="When a reward function raises: stop the run naming the sample (fail), or score it 0 and "
                         "count it in the metrics (zero).")
@@ -33,7 +39,9 @@ def add_flags(parser):
     g = parser.add_argument_group("On-policy distillation")
     g.add_argument("--use-opd", action="store_true", default=False, help="Enable on-policy distillation (needs --opd-type).")
     g.add_argument("--opd-type", type=str, default=None, choices=["sglang", "megatron"],
-                   help="Teacher log-probs from an SGLang server (sglang) or a Megatron teacher (megatron, needs --opd-teacher-load).")
+                   help="Teacher log-probs from an SGLang-API server (sglang: the server at --rm-url, scored by POST "
+                        "/generate with max_new_tokens 0 and return_logprob, reading meta_info.input_token_logprobs) "
+                        "or a Megatron teacher (megatron, needs --opd-teacher-load).")
     g.add_argument("--opd-kl-coef", type=float, default=1.0, help="Weight of the distillation term.")
     g.add_argument("--opd-teacher-load", type=str, default=None, help="Teacher checkpoint for --opd-type megatron.")
     g.add_argument("--opd-teacher-ckpt-step", type=int, default=None, help="Teacher checkpoint step.")
