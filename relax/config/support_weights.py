@@ -15,3 +15,10 @@ WEIGHTS_FEATURES: frozenset[str] = frozenset({
 # through TrainerWorker.push_weights, which must call `push_for_config(named, urls, version, self.config)`
 # (a one-line change in relax/roles/trainer.py) before this flag takes effect in a run:
 WEIGHTS_FEATURES_AFTER_TRAINER_PATCH: frozenset[str] = frozenset({"check_weight_update_equal"})
+
+# Helper C: colocate/offload (relax/core/colocate.py, relax/backends/megatron/offload.py, tests/test_colocate*.py)
+# and --balance-data (relax/data/balance.py, tests/test_balance_data.py).
+COLOCATE_FEATURES: frozenset[str] = frozenset({
+    "colocate", "offload", "offload_train", "offload_rollout", "balance_data",
+})
+WEIGHTS_FEATURES = WEIGHTS_FEATURES | COLOCATE_FEATURES

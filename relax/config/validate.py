@@ -190,6 +190,8 @@ def check_checkpointing(v: dict, explicit) -> None:
 def check_modes(v: dict, explicit) -> None:
     if v["debug_rollout_only"] and (v["debug_train_only"] or v["load_debug_rollout_data"]):
         raise ConfigError("--debug-rollout-only cannot be combined with --debug-train-only/--load-debug-rollout-data")
+    if v["colocate"]:
+        check_colocate(v)
     if v["rollout_external"] and not v["rollout_external_engine_addrs"]:
         raise ConfigError("--rollout-external needs --rollout-external-engine-addrs HOST:PORT [...]")
     if v["rollout_external_engine_addrs"] and not v["rollout_external"]:
@@ -207,6 +209,17 @@ def check_modes(v: dict, explicit) -> None:
         raise ConfigError("--eval-prompt-data takes NAME PATH pairs; got an odd number of values")
     if v["use_rollout_routing_replay"] and v.get("num_experts") in (None, 0) and "num_experts" in v:
         pass  # routing replay on a dense model is a no-op; allowed (the model may come from --hf-checkpoint)
+
+
+def check_colocate(v: dict) -> None:
+    """--colocate puts engine i on trainer rank i's device (relax.core.placement.colocated_bundles)."""
+    if v["rollout_external"]:
+        raise ConfigError("--colocate cannot share devices with --rollout-external engines; drop one of them")
+    res = v["resource"] or {}
+    actor, rollout = res.get("actor", [1, 1]), res.get("rollout", [1, 1])
+    if rollout[0] * rollout[1] > actor[0] * actor[1]:
+        raise ConfigError(f"--colocate: --resource rollout ({rollout[0] * rollout[1]} GPUs) cannot exceed actor "
+                          f"({actor[0] * actor[1]} GPUs); colocated engines use the trainer's devices")
 
 
 def check_data(v: dict, explicit) -> None:
@@ -268,7 +281,7 @@ DERIVED = frozenset({
     "debug_train_only", "use_routing_replay", "over_sampling_batch_size", "log_probs_max_tokens_per_gpu",
     "eval_input_key", "eval_label_key", "eval_tool_key", "eval_reward_key", "eval_temperature", "eval_top_p",
     "eval_top_k", "eval_max_response_len", "eval_max_prompt_len", "eval_max_context_len", "resource", "save",
-    "num_rollout", "global_batch_size", "lr_decay_iters",
+    "num_rollout", "global_batch_size", "lr_decay_iters", "save_debug_rollout_data", "save_debug_train_data",
 })
 
 RULES = (check_ranges, check_sampling, check_algorithm, check_batching, check_checkpointing, check_modes,
@@ -303,6 +316,12 @@ def derive(v: dict, explicit) -> None:
             v[dest] = False
     if v["load_debug_rollout_data"]:
         v["debug_train_only"] = True
+    if v.get("dump_details"):  # one directory with every step's rollout and training data (and the config)
+        base = Path(v["dump_details"])
+        if v["save_debug_rollout_data"] is None:
+            v["save_debug_rollout_data"] = str(base / "rollout_data" / "{rollout_id}.jsonl")
+        if v["save_debug_train_data"] is None:
+            v["save_debug_train_data"] = str(base / "train_data" / "{rollout_id}_{rank}.pt")
     if v["use_rollout_routing_replay"]:
         v["use_routing_replay"] = True
     if v["over_sampling_batch_size"] is None:

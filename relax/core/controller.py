@@ -33,6 +33,7 @@ class Controller:
         self.engine_urls: list[str] = []
         self.start_step = 0
         self.aux = None
+        self.colocate = None
 
     # ------------------------------------------------------------------ start-up
     def start(self) -> None:
@@ -59,16 +60,23 @@ class Controller:
         # "packed" moves each sample as one record: 3-5x faster than one message part per field.
         self.data = DataPlane.start(c.num_data_storage_units, capacity_samples=capacity,
                                     polling_mode=c.polling_mode, layout="packed")
-        pg_actor = create_placement_group(role_bundles(c, "actor", use_gpu), "relax-actor")
-        pg_rollout = create_placement_group(role_bundles(c, "rollout", use_gpu), "relax-rollout")
-        self.placement_groups = [pg for pg in (pg_actor, pg_rollout) if pg is not None]
+        if c.colocate:  # engines and trainer ranks on the same bundles (devices), taking turns
+            from relax.core.placement import colocated_bundles
+
+            pg_actor = pg_rollout = create_placement_group(colocated_bundles(c, use_gpu), "relax-colocate")
+        else:
+            pg_actor = create_placement_group(role_bundles(c, "actor", use_gpu), "relax-actor")
+            pg_rollout = create_placement_group(role_bundles(c, "rollout", use_gpu), "relax-rollout")
+        self.placement_groups = list({id(pg): pg for pg in (pg_actor, pg_rollout) if pg is not None}.values())
 
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         threads = max(1, (os.cpu_count() or 2) // max(1, actor_world))
         train_env = {"env_vars": worker_env(c.train_env_vars, training_role=True)}
+        from relax.core.placement import trainer_gpus
+
         self.workers = [
-            TrainerWorker.options(num_cpus=1, num_gpus=1 if use_gpu else 0, runtime_env=train_env,
+            TrainerWorker.options(num_cpus=1, num_gpus=trainer_gpus(c, use_gpu), runtime_env=train_env,
                                   scheduling_strategy=PlacementGroupSchedulingStrategy(
                                       placement_group=pg_actor, placement_group_bundle_index=rank)
                                   ).remote(c, rank, actor_world, threads)
@@ -90,9 +98,20 @@ class Controller:
         self.metrics = MetricsWriter.from_config(c)
         if c.load:
             self._resume(c.load)
+        from relax.core.colocate import ColocateProtocol
+
+        self.colocate = ColocateProtocol(c, self.workers, self.engine_urls)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
+        c = self.config
+        self.colocate.start()  # --offload-train: the trainer makes room for the first rollout
+        try:
+            self._loop()
+        finally:
+            self.colocate.finish()
+
+    def _loop(self) -> None:
         c = self.config
         if self._eval_enabled() and not c.skip_eval_before_train:
             self.metrics.log(self.start_step, {**ray.get(self.rollout.evaluate.remote(self.start_step)),
@@ -102,7 +121,10 @@ class Controller:
             metrics = ray.get(self.rollout.generate.remote(step))
             t1 = time.perf_counter()
             metrics["data/step_samples"] = float(self.data.size(step))  # what went through TransferQueue
+            will_sync = (step + 1) % c.update_weights_interval == 0 and not (c.debug_rollout_only
+                                                                            or c.debug_train_only)
             if not c.debug_rollout_only:
+                metrics.update(self.colocate.before_train(step, will_sync))  # engines release, trainer reloads
                 extras = self.aux.pre_train(step)
                 outputs = ray.get([w.train.remote(step, extras) for w in self.workers])
                 self.aux.post_train(step, outputs[0])
@@ -110,7 +132,8 @@ class Controller:
             t2 = time.perf_counter()
             self.data.clear(step)
             sync_time = 0.0
-            if (step + 1) % c.update_weights_interval == 0 and not (c.debug_rollout_only or c.debug_train_only):
+            if will_sync:
+                metrics.update(self.colocate.before_sync(step))  # engines' weights back, KV cache still released
                 reports = ray.get([w.push_weights.remote(self.engine_urls, step + 1, c.update_weight_buffer_size)
                                    for w in self.workers])
                 sync = reports[0]
@@ -129,6 +152,7 @@ class Controller:
                 "perf/tokens_per_s": metrics.get("train/tokens", 0.0) / step_time,
                 "perf/samples_per_s": metrics.get("rollout/num_samples", 0.0) / step_time,
             })
+            metrics.update(self.colocate.after_step(step))  # trainer offloads, engines resume the KV cache
             if self._eval_enabled() and (step + 1) % c.eval_interval == 0:
                 metrics.update(ray.get(self.rollout.evaluate.remote(step + 1)))
             self.metrics.log(step, metrics)
@@ -189,7 +213,15 @@ class Controller:
 
 
 def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
+    _raise_interrupt.received = signal.Signals(signum).name  # Ray may re-raise the interrupt without its text
+    raise KeyboardInterrupt(_raise_interrupt.received)
+
+
+def _install_signal_handlers() -> None:
+    """SIGTERM and SIGINT stop the run cleanly, also when the shell started it with SIGINT ignored
+    (a background job of a script) or Ray replaced a handler."""
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGINT, _raise_interrupt)
 
 
 def run_controller(config: Config) -> int:
@@ -200,6 +232,8 @@ def run_controller(config: Config) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         handlers=[logging.StreamHandler(), logging.FileHandler(out / "logs" / "relax.log")])
     write_resolved_config(config)
+    if config.dump_details:
+        write_resolved_config(config, Path(config.dump_details) / "config.yaml")
     if config.meta.get("embedded_default"):
         from relax.models.embedded import build_embedded_assets
 
@@ -208,16 +242,20 @@ def run_controller(config: Config) -> int:
     trace_log = logging.getLogger("relax.trace")  # full tracebacks go to the log file only
     trace_log.propagate = False
     trace_log.addHandler(logging.FileHandler(out / "logs" / "relax.log"))
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    _install_signal_handlers()
     controller = Controller(config)
     try:
         controller.start()
+        _install_signal_handlers()  # ray.init replaces the SIGTERM handler with its own sys.exit
         controller.run()
         logger.info("finished %d rollout steps; output in %s", config.num_rollout, out)
         return 0
     except KeyboardInterrupt as exc:
-        logger.error("interrupted (%s); shutting down", exc or "SIGINT")
+        logger.error("interrupted by %s; shutting down", getattr(_raise_interrupt, "received", None) or "SIGINT")
         return 130
+    except SystemExit as exc:  # a signal that arrived while Ray's own handler was installed
+        logger.error("terminated (exit %s); shutting down", exc.code)
+        return 143
     except Exception as exc:
         logger.error("run failed: %s: %s (traceback in %s)", type(exc).__name__, _first_line(exc),
                      out / "logs" / "relax.log")

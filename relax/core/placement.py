@@ -33,3 +33,21 @@ def create_placement_group(bundles: list[dict[str, float]], name: str, timeout_s
         raise RuntimeError(f"placement group {name!r} ({len(bundles)} bundles of {bundles[0]}) could not be "
                            f"reserved within {timeout_s:.0f}s; cluster has {ray.cluster_resources()}") from None
     return pg
+
+
+# --colocate: a trainer rank and an engine share one bundle (one GPU). The trainer takes a fraction of the
+# GPU so that Ray lets the engine actor onto the same bundle (slime does the same); the two take turns through
+# offloading (relax.core.colocate), not through Ray's accounting.
+COLOCATED_TRAINER_GPU_FRACTION = 0.4
+
+
+def colocated_bundles(config: Any, use_gpu: bool) -> list[dict[str, float]]:
+    """One bundle per trainer rank (and at least one per engine), each with room for a trainer and an engine."""
+    count = max(len(role_bundles(config, "actor", use_gpu)), len(role_bundles(config, "rollout", use_gpu)))
+    return [{"GPU": 1.0, "CPU": 2.0} if use_gpu else {"CPU": 2.0} for _ in range(count)]
+
+
+def trainer_gpus(config: Any, use_gpu: bool) -> float:
+    if not use_gpu:
+        return 0
+    return COLOCATED_TRAINER_GPU_FRACTION if config.colocate else 1

@@ -21,6 +21,7 @@ class MegatronRank:
         self.world_size = world_size
         self.trainer = None
         self.data = None
+        self.offloader = None
 
     def master_address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0 to host the rendezvous."""
@@ -48,6 +49,25 @@ class MegatronRank:
 
         with torch.no_grad():
             return float(sum(p.double().abs().sum() for p in self.trainer.gpt_model.parameters()))
+
+    # --offload-train / --colocate: free the trainer's memory while the engines run (relax.core.colocate)
+    def offload_memory(self) -> dict[str, float]:
+        from relax.backends.megatron.offload import TrainerOffloader
+
+        if self.offloader is None:
+            import os
+
+            spill = os.path.join(self.config.output_dir, "offload", f"{type(self).__name__}-{self.rank}.bin")
+            self.offloader = TrainerOffloader(self.trainer, spill)
+        return self.offloader.offload()
+
+    def reload_memory(self) -> dict[str, float]:
+        return self.offloader.reload() if self.offloader is not None else {"reload/bytes": 0.0}
+
+    def resident_memory(self) -> int:
+        from relax.backends.megatron.offload import rss_bytes
+
+        return rss_bytes()
 
     def shutdown(self) -> None:
         from relax.backends.megatron.parallel import destroy

@@ -12,4 +12,5 @@ def add_flags(parser):
     g.add_argument("--log-probs-max-tokens-per-gpu", type=int, default=None,
                    help="Token budget when only computing log-probs (default: --max-tokens-per-gpu).")
     g.add_argument("--balance-data", action="store_true", default=False,
-                   help="Balance tokens across data-parallel ranks (Karmarkar-Karp); colocated sync mode only.")
+                   help="Balance tokens across data-parallel ranks (Karmarkar-Karp, equal sample counts); colocated "
+                        "sync mode only. Metric: train/dp_token_spread.")

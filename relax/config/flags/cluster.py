@@ -12,13 +12,16 @@ def add_flags(parser):
     g.add_argument("--resource", type=json_object, default=None,
                    help='Per-role replicas and GPUs as JSON, e.g. \'{"actor": [1, 8], "rollout": [1, 8]}\'.')
     g.add_argument("--colocate", action="store_true", default=False,
-                   help="Share the same GPUs between rollout engines and trainers, taking turns; implies --offload.")
+                   help="Share the same GPUs between rollout engines and trainers, taking turns; implies --offload. "
+                        "Engines are placed on the trainer ranks' placement-group bundles.")
     g.add_argument("--offload", action="store_true", default=False,
                    help="Shorthand for --offload-train and --offload-rollout.")
     g.add_argument("--offload-train", action="store_true", default=None,
-                   help="Move the trainer's weights and optimizer off the device while rollout runs.")
+                   help="Move the trainer's weights, grad buffers and optimizer state off the device while rollout "
+                        "runs (GPU: to pinned host memory; CPU: to a spill file under --output-dir/offload).")
     g.add_argument("--offload-rollout", action="store_true", default=None,
-                   help="Release rollout engine memory while training runs.")
+                   help="Release rollout engine memory while training runs; the weights come back for the weight "
+                        "push, the KV cache after it.")
     # --distributed-backend and --distributed-timeout-minutes are Megatron's flags (merged below).
 
     g = parser.add_argument_group("TransferQueue data queue")
@@ -39,7 +42,10 @@ def add_flags(parser):
     g.add_argument("--megatron-to-hf-mode", type=str, default="raw", choices=["raw", "bridge"],
                    help="How trainer weights are converted to Hugging Face names: Relax's own mapping (raw) or Megatron-Bridge.")
     g.add_argument("--true-on-policy-mode", action="store_true", default=False,
-                   help="Make training log-probs bit-match the rollout engine's (deterministic kernels).")
+                   help="Train with the engine's log-probs as the old policy and check every step that the "
+                        "trainer's recomputed log-probs match them (max abs diff 1e-4 on trained tokens), stopping "
+                        "with the step, sample and token otherwise; needs --keep-old-actor when "
+                        "--update-weights-interval > 1.")
     g.add_argument("--fully-async", action="store_true", default=False,
                    help="Run rollout, log-prob, advantage and training roles as a streaming asynchronous pipeline.")
     g.add_argument("--rollout-backend", type=str, default="auto", choices=["auto", "sglang", "embedded"],

@@ -21,7 +21,9 @@ def add_flags(parser):
                    help="Do not keep a host copy of weights (saves host memory).")
     g.add_argument("--custom-model-provider-path", type=str, default=None, help="Dotted path of a Megatron model provider.")
     g.add_argument("--recompute-loss-function", action="store_true", default=False,
-                   help="Recompute the loss in backward to save memory.")
+                   help="Activation-checkpoint logits -> log-probs -> loss of each micro-batch: its float32 "
+                        "softmax intermediates are recomputed in backward instead of kept (same loss and "
+                        "gradients, less memory, the loss runs twice).")
     g.add_argument("--log-probs-chunk-size", type=int, default=-1,
                    help="Compute log-probs in chunks of this many tokens (-1: no chunking).")
     g.add_argument("--allgather-cp", action="store_true", default=False,
@@ -46,8 +48,12 @@ def add_flags(parser):
     g.add_argument("--load-debug-rollout-data-subsample", type=float, default=None,
                    help="Fraction (0, 1] of the saved rollout data to use.")
     g.add_argument("--save-debug-rollout-data", type=str, default=None, help="Save each step's rollout data; may contain {rollout_id}.")
-    g.add_argument("--save-debug-train-data", type=str, default=None, help="Save each step's training data; may contain {rollout_id}.")
-    g.add_argument("--dump-details", type=str, default=None, help="Directory for detailed per-step dumps.")
+    g.add_argument("--save-debug-train-data", type=str, default=None, help="Save what each trainer rank trains on every step (tokens, masks, advantages, old/reference "
+                        "log-probs) with torch.save, loadable with weights_only=True; the path may contain {rollout_id} "
+                        "and {rank} (without {rank} only rank 0 writes).")
+    g.add_argument("--dump-details", type=str, default=None, help="Directory for post-hoc analysis: sets --save-debug-rollout-data to DIR/rollout_data/{rollout_id}.jsonl "
+                        "and --save-debug-train-data to DIR/train_data/{rollout_id}_{rank}.pt (unless given) and "
+                        "writes the resolved config to DIR/config.yaml.")
     g.add_argument("--check-weight-update-equal", action="store_true", default=False,
                    help="After each weight sync, compare every engine tensor with the trainer's.")
     g.add_argument("--memory-snapshot-dir", type=str, default=".", help="Directory for memory snapshots.")
