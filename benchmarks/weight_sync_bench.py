@@ -7,13 +7,18 @@ For each model shape a random HF model is written to a temporary folder and serv
 (`python -m relax.backends.embedded.server`, same host). The trainer side holds the same-named tensors and
 pushes them with each path, then checks that the engine reports the new weight version:
 
-  tensor       /update_weights_from_tensor: buckets of --buffer-mb staged in shared memory
+  tensor       /update_weights_from_tensor, relax_shm: one reused /dev/shm segment of --buffer-mb (two slots,
+               writing overlaps the engine's copy) described by a JSON manifest (relax.weights.shm)
+  tensor-pickle  the same endpoint as real SGLang gets it: pickled flattened buckets of --buffer-mb
   disk         safetensors into a temporary folder (--tmp-dir, default the system one) + /update_weights_from_disk
   distributed  /update_weights_from_distributed: gloo broadcast over a group (joined once, before timing)
 
 memcpy is `torch.Tensor.copy_` of every tensor into a preallocated buffer of the same bytes (this process).
-Times are the best of --repeats pushes after one warm-up push; GB/s = weight bytes / seconds (1 GB = 1e9 B);
-"x memcpy" = path seconds / memcpy seconds.
+After one warm-up push per path, --repeats rounds each time memcpy and then every path back to back (the
+machine's load changes, a round's numbers are comparable); reported: the median seconds, GB/s = weight
+bytes / median seconds (1 GB = 1e9 B) and "x memcpy" = the median over rounds of path seconds / memcpy
+seconds of the same round (the per-round ratios, and best path seconds / best memcpy seconds, are printed
+too).
 
 Shapes: tiny (relax.models.tiny), smollm2-135m (LlamaConfig hidden 576, 30 layers, 9 heads, 3 kv heads,
 intermediate 1536, vocab 49152, tied) and qwen2-0.5b (Qwen2Config hidden 896, 24 layers, 14 heads, 2 kv heads,
@@ -26,6 +31,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -87,9 +93,11 @@ def trainer_tensors(model_dir: Path, dtype: torch.dtype) -> list[tuple[str, torc
     return named
 
 
-def memcpy_seconds(named, repeats: int) -> float:
+def memcpy_seconds(named, repeats: int, dst: torch.Tensor | None = None) -> float:
+    """Best of repeats + 1 copies of every tensor into `dst` (pages faulted in before: pass one in, or the
+    first, cold copy is one of the repeats)."""
     total = sum(t.numel() * t.element_size() for _, t in named)
-    dst = torch.empty(total, dtype=torch.uint8)
+    dst = torch.empty(total, dtype=torch.uint8) if dst is None else dst
     best = float("inf")
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
@@ -113,34 +121,44 @@ def bench_model(name: str, args) -> list[dict]:
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         print(f"# {name}: {len(named)} tensors, {nbytes / 1e6:.1f} MB {args.dtype} "
               f"(built in {time.perf_counter() - t0:.0f}s)", flush=True)
-        base = memcpy_seconds(named, args.repeats)
-        rows.append({"model": name, "path": "memcpy", "bytes": nbytes, "seconds": base,
-                     "gb_per_s": nbytes / base / 1e9, "x_memcpy": 1.0})
         server = EmbeddedServerProcess(str(model_dir), server_args={"dtype": args.dtype, "random_seed": 0,
                                                                       "num_threads": args.engine_threads})
         server.start()
+        syncs = {}
         try:
             server.wait_healthy(600)
+            cold = {}
             for method in args.paths:
-                sync = make_weight_sync(method, [server.url], buffer_bytes=args.buffer_mb << 20, timeout_s=900,
-                                        tmp_dir=args.tmp_dir)
-                try:
-                    t0 = time.perf_counter()
-                    sync.push(named, f"{method}-warmup")  # staging buffers / group set up here
-                    cold = time.perf_counter() - t0
-                    best = float("inf")
-                    for i in range(args.repeats):
-                        best = min(best, sync.push(named, f"{method}-{i}")["seconds"])
-                finally:
-                    sync.close()
-                rows.append({"model": name, "path": method, "bytes": nbytes, "seconds": best, "first_seconds": cold,
-                             "gb_per_s": nbytes / best / 1e9, "x_memcpy": best / base})
-                r = rows[-1]
-                print(f"  {method:12s} {best:8.4f}s  {r['gb_per_s']:7.2f} GB/s  {r['x_memcpy']:7.1f}x memcpy"
-                      f"  (first push {cold:.3f}s)", flush=True)
+                extra = {"use_shm": False} if method == "tensor-pickle" else {}
+                syncs[method] = make_weight_sync(method.split("-")[0], [server.url],
+                                                 buffer_bytes=args.buffer_mb << 20, timeout_s=900,
+                                                 tmp_dir=args.tmp_dir, **extra)
+                t0 = time.perf_counter()
+                syncs[method].push(named, f"{method}-warmup")  # staging buffers / group set up here
+                cold[method] = time.perf_counter() - t0
+            # rounds: memcpy and every path back to back, so that each ratio compares like with like on a
+            # machine whose load changes
+            times = {m: [] for m in ["memcpy", *args.paths]}
+            dst = torch.zeros(nbytes, dtype=torch.uint8)  # faulted in once, like the paths' reused buffers
+            for i in range(args.repeats):
+                times["memcpy"].append(memcpy_seconds(named, 0, dst))
+                for method in args.paths:
+                    times[method].append(syncs[method].push(named, f"{method}-{i}")["seconds"])
         finally:
+            for sync in syncs.values():
+                sync.close()
             server.stop()
-        print(f"  {'memcpy':12s} {base:8.4f}s  {nbytes / base / 1e9:7.2f} GB/s", flush=True)
+        for method, ts in times.items():
+            ratios = [t / m for t, m in zip(ts, times["memcpy"])]
+            sec = statistics.median(ts)
+            rows.append({"model": name, "path": method, "bytes": nbytes, "seconds": sec, "all_seconds": ts,
+                         "gb_per_s": nbytes / sec / 1e9, "x_memcpy": statistics.median(ratios),
+                         "x_memcpy_all": ratios, "x_memcpy_best": min(ts) / min(times["memcpy"]),
+                         "first_seconds": cold.get(method)})
+            r = rows[-1]
+            print(f"  {method:13s} {sec:8.4f}s  {r['gb_per_s']:7.2f} GB/s  {r['x_memcpy']:6.2f}x memcpy "
+                  f"(rounds {', '.join(f'{x:.2f}' for x in ratios)}; best/best {r['x_memcpy_best']:.2f})"
+                  + (f"  first push {cold[method]:.3f}s" if method in cold else ""), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return rows
@@ -150,8 +168,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["tiny", "smollm2-135m", "qwen2-0.5b"],
                    choices=["tiny", *SHAPES])
-    p.add_argument("--paths", nargs="+", default=["tensor", "disk", "distributed"],
-                   choices=["tensor", "disk", "distributed"])
+    p.add_argument("--paths", nargs="+", default=["tensor", "tensor-pickle", "disk", "distributed"],
+                   choices=["tensor", "tensor-pickle", "disk", "distributed"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--buffer-mb", type=int, default=512)
@@ -163,9 +181,9 @@ def main(argv=None) -> None:
     rows = []
     for name in args.models:
         rows.extend(bench_model(name, args))
-    print("\nmodel          path         seconds      GB/s   x memcpy")
+    print("\nmodel          path            seconds      GB/s   x memcpy (median)")
     for r in rows:
-        print(f"{r['model']:14s} {r['path']:12s} {r['seconds']:8.4f} {r['gb_per_s']:9.2f} {r['x_memcpy']:9.1f}")
+        print(f"{r['model']:14s} {r['path']:13s} {r['seconds']:8.4f} {r['gb_per_s']:9.2f} {r['x_memcpy']:9.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -5,6 +5,8 @@
 
 - `serialize`: SGLang's `/update_weights_from_tensor` payload (ForkingPickler + base64 over shared
   memory, flattened buckets, chunking into buffers of N bytes) and its restricted reader.
+- `shm`: the embedded engine's faster same-host format (`load_format="relax_shm"`): one reused /dev/shm
+  segment written by the trainer in double-buffered chunks, read by the engine through views (two copies).
 - `distributed`: the `/init_weights_update_group` + `/update_weights_from_distributed` protocol
   (a torch.distributed group, gloo on CPU), trainer side and engine side.
 The HTTP calls themselves are in `relax.backends.engine_client.EngineClient`.

@@ -3,7 +3,9 @@
 `WeightSync` implementations (pick one with `make_weight_sync(method, ...)`):
 
 - `tensor`: SGLang's `/update_weights_from_tensor`; the HF-named tensors go through shared memory on one
-  host in buffers of `buffer_bytes`, each staged once and posted to every engine concurrently.
+  host in buffers of `buffer_bytes`, each staged once and posted to every engine concurrently. Engines
+  that advertise `relax_shm` read them from one reused /dev/shm segment described by a JSON manifest
+  (`relax.weights.shm`: two copies in all, writing and reading overlap); others get SGLang's pickle.
 - `disk`: the tensors are written as safetensors (plus the HF config/tokenizer files when a source
   folder is known, as real SGLang needs) into a fresh temporary folder, then every engine is told to
   `/update_weights_from_disk` from it; the folder is removed afterwards.
@@ -174,13 +176,38 @@ def _engine_dtype(client: EngineClient) -> torch.dtype | None:
 
 
 class TensorSync(WeightSync):
+    """Shared memory on one host. Engines that advertise `relax_shm` (the embedded engine) get the
+    two-copy path of `relax.weights.shm`: one reusable /dev/shm segment of at most `buffer_bytes`
+    (two slots: the next chunk is written while the engines copy the last one) and a JSON manifest
+    per chunk. Other engines (real SGLang) get SGLang's pickled flattened buckets."""
+
     method = "tensor"
 
     def __init__(self, engine_urls: Sequence[str], **kw: Any):
         super().__init__(engine_urls, **kw)
         self.load_format = kw.get("load_format", "flattened_bucket")
+        self.use_shm = kw.get("use_shm")  # None: when every engine advertises it; False: never
+        self.segment = None
+        self._dispatch = None
+        self._capable: bool | None = None
+        self.last_chunks = 0
+
+    def _shm_ready(self) -> bool:
+        if self.use_shm is False:
+            return False
+        if self._capable is None:
+            from relax.weights.shm import shm_capable
+
+            try:
+                self._capable = all(shm_capable(c.server_info()) for c in self.clients)
+            except Exception:
+                return False  # unreachable engine: the pickled path raises an error naming it
+        return self._capable
 
     def _send(self, named: NamedTensors, version: str) -> None:
+        if self._shm_ready():
+            self._send_shm(named, version)
+            return
         try:
             # all engines at once: each bucket staged in shared memory once (relax.backends.engine_client)
             update_weights_from_tensor_many(self.clients, named, version, self.buffer_bytes,
@@ -188,6 +215,42 @@ class TensorSync(WeightSync):
         except Exception as exc:
             url = getattr(exc, "base_url", None) or ", ".join(self.engine_urls)
             raise WeightSyncError(f"tensor weight sync to engine {url} failed: {exc}", url) from None
+
+    def _send_shm(self, named: NamedTensors, version: str) -> None:
+        from relax.weights import shm
+
+        slot = shm.slot_bytes_for(named, self.buffer_bytes)
+        if self.segment is None or self.segment.nbytes < 2 * slot:
+            self._close_segment()
+            self.segment = shm.ShmSegment(2 * slot)
+        if self._dispatch is None:
+            self._dispatch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relax-weight-sync")
+        seg = self.segment
+
+        def post(client: EngineClient, data: str, last: bool) -> None:
+            payload: dict[str, Any] = {"serialized_named_tensors": [data], "load_format": shm.LOAD_FORMAT,
+                                       "flush_cache": last}
+            if last:
+                payload["weight_version"] = version
+            client._post("/update_weights_from_tensor", payload, check_success=True)
+
+        def send(entries: list, last: bool):
+            data = shm.manifest(seg, entries)
+            return self._dispatch.submit(self._each, lambda c: post(c, data, last))
+
+        self.last_chunks = shm.pack_chunks(named, seg.buf, slot, send)["chunks"]
+
+    def _close_segment(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
+
+    def close(self) -> None:
+        if self._dispatch is not None:
+            self._dispatch.shutdown(wait=True)
+            self._dispatch = None
+        self._close_segment()
+        super().close()
 
 
 def copy_model_files(source_dir: str, dest: str) -> None:

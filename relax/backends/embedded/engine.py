@@ -48,6 +48,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from relax.backends.embedded.weight_names import expert_aliases
 from relax.backends.embedded.sampling import SamplingParams, sample_batch, seeded_position_seed
 
 logger = logging.getLogger(__name__)
@@ -292,6 +293,7 @@ class EmbeddedEngine:
         targets: dict[str, torch.Tensor] = {}
         for name, p in self.model.named_parameters(remove_duplicate=False):
             targets[name] = p
+            targets.update(expert_aliases(name, p))  # checkpoint names of fused MoE experts (views)
         for name, b in self.model.named_buffers(remove_duplicate=False):
             targets.setdefault(name, b)
         return targets
@@ -329,6 +331,7 @@ class EmbeddedEngine:
         if weight_version is not None:
             self.weight_version = str(weight_version)
         dt = time.perf_counter() - t0
+        self._log_event("update_weights", ())
         self.stats["num_weight_updates"] += 1
         self.stats["last_weight_update_s"] = dt
         return {"num_tensors": len(plan), "apply_s": dt, "weight_version": self.weight_version}
@@ -346,6 +349,37 @@ class EmbeddedEngine:
 
         return self.call(run, needs_idle=self.update_waits_for_requests, name="update_weights")
 
+    def update_weight_ranges(self, pieces, weight_version: str | None = None) -> Future:
+        """Like `update_weights`, for pieces `(hf_name, full_shape, start, flat_src)`: `flat_src` is copied
+        into elements [start, start + numel) of the row-major tensor (one copy, straight from the
+        sender's shared memory). All pieces are checked before any is copied."""
+
+        def run():
+            if self.released and self.offload_weights_on_release and self._weights_offloaded:
+                raise EngineError("weights are released; resume_memory_occupation first", status=400)
+            targets = self._named_targets()
+            unknown, bad, plan = [], [], []
+            for name, shape, start, src in pieces:
+                dst = targets.get(name)
+                if dst is None:
+                    if not self._ignorable(name):
+                        unknown.append(name)
+                    continue
+                if tuple(dst.shape) != tuple(shape) and dst.numel() != 0:
+                    bad.append(f"{name}: engine {tuple(dst.shape)} vs update {tuple(shape)}")
+                elif start + src.numel() > dst.numel() or not dst.is_contiguous():
+                    bad.append(f"{name}: elements [{start}, {start + src.numel()}) of {dst.numel()} "
+                               f"({'contiguous' if dst.is_contiguous() else 'not contiguous'})")
+                else:
+                    plan.append((name, dst.view(-1)[start:start + src.numel()], src))
+            if unknown or bad:
+                msg = [f"unknown parameter names {unknown[:8]}{' ...' if len(unknown) > 8 else ''}"] if unknown else []
+                msg += [f"shape mismatch {bad[:8]}"] if bad else []
+                raise EngineError("weight update rejected, nothing changed: " + "; ".join(msg))
+            return self._apply_plan(plan, weight_version)
+
+        return self.call(run, needs_idle=self.update_waits_for_requests, name="update_weights")
+
     def set_weight_version(self, version: str) -> None:
         self.weight_version = str(version)
 
@@ -357,12 +391,22 @@ class EmbeddedEngine:
 
     # --- memory --------------------------------------------------------------------------------
     _weights_offloaded = False
+    _released_tags: frozenset = frozenset()
+
+    def _log_event(self, kind: str, tags) -> None:
+        """Memory and weight events in order (GET /get_server_info `memory_events`, the last 256)."""
+        events = self.__dict__.setdefault("memory_events", deque(maxlen=256))
+        self.__dict__["_event_seq"] = self.__dict__.get("_event_seq", 0) + 1
+        events.append({"seq": self._event_seq, "event": kind, "tags": sorted(tags), "time": time.time(),
+                       "weight_version": self.weight_version, "memory_released": sorted(self._released_tags)})
 
     def release_memory(self, tags: Iterable[str] | None = None) -> Future:
         tags = set(tags) if tags else {"weights", "kv_cache"}
 
         def run():
             self.released = True
+            self._released_tags = frozenset(self._released_tags | tags)
+            self._log_event("release", tags)
             self._abort_everything("Abort: memory released.")
             if "weights" in tags and self.offload_weights_on_release and not self._weights_offloaded:
                 self._param_shapes = {}
@@ -377,15 +421,20 @@ class EmbeddedEngine:
         return self.call(run, name="release_memory")
 
     def resume_memory(self, tags: Iterable[str] | None = None) -> Future:
+        tags = set(tags) if tags else {"weights", "kv_cache"}
+
         def run():
-            if self._weights_offloaded and self._param_shapes is not None:
+            # tag by tag, like SGLang: generation needs everything back; weight updates need "weights"
+            self._released_tags = frozenset(self._released_tags - tags)
+            self._log_event("resume", tags)
+            if "weights" in tags and self._weights_offloaded and self._param_shapes is not None:
                 for name, t in self.model.named_parameters():
                     shape, dtype = self._param_shapes[name]
                     if t.numel() == 0 and torch.Size(shape).numel() > 0:
                         t.data = torch.zeros(shape, dtype=dtype, device=t.device)
                 self._weights_offloaded = False
-            self.released = False
-            return {"resumed": True}
+            self.released = bool(self._released_tags)
+            return {"resumed": sorted(tags), "still_released": sorted(self._released_tags)}
 
         return self.call(run, name="resume_memory")
 

@@ -27,8 +27,9 @@ Endpoints (request / response schemas follow SGLang's `http_server.py` and `io_s
   (default abort), POST /continue_generation, POST /release_memory_occupation `{"tags"}`,
   POST /resume_memory_occupation `{"tags"}` (CPU semantics in `engine.py`).
 - Weights: POST /update_weights_from_tensor `{"serialized_named_tensors": [str, ...],
-  "load_format": null | "flattened_bucket", "flush_cache", "weight_version"}` (see
-  `relax.weights.serialize`; entries are per tensor-parallel rank in SGLang: identical entries are
+  "load_format": null | "flattened_bucket" | "relax_shm", "flush_cache", "weight_version"}` (see
+  `relax.weights.serialize`; "relax_shm" entries are JSON manifests of the sender's shared-memory
+  segment, `relax.weights.shm`; entries are per tensor-parallel rank in SGLang: identical entries are
   applied once, different entries are all applied); POST /update_weights_from_disk
   `{"model_path", "weight_version"}`; POST /init_weights_update_group `{"master_address",
   "master_port", "rank_offset", "world_size", "group_name", "backend"}`; POST
@@ -57,6 +58,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from relax.backends.embedded.engine import EmbeddedEngine, EngineError
 from relax.backends.embedded.sampling import SamplingParams
+from relax.weights import shm
 
 logger = logging.getLogger("relax.embedded.server")
 
@@ -157,6 +159,7 @@ class _Groups:
 def create_app(engine: EmbeddedEngine):
     app = FastAPI(title="relax embedded engine", version=SERVER_VERSION)
     groups = _Groups()
+    shm_cache = shm.SegmentCache()  # senders' shared-memory segments, mapped once
     started = time.time()
 
     async def _json(request: Request) -> dict:
@@ -250,6 +253,8 @@ def create_app(engine: EmbeddedEngine):
             "random_seed": engine.random_seed,
             "weight_version": engine.weight_version,
             "update_waits_for_requests": engine.update_waits_for_requests,
+            "memory_events": list(engine.__dict__.get("memory_events", ())),  # release/resume/update order
+            "weight_update_formats": [None, "flattened_bucket", shm.LOAD_FORMAT],
             "internal_states": [
                 {
                     "paused": engine.paused,
@@ -368,6 +373,18 @@ def create_app(engine: EmbeddedEngine):
             return _ok_update("serialized_named_tensors must be a non-empty list", False)
         load_format = body.get("load_format")
         unique = list(dict.fromkeys(entries))  # SGLang: one (identical) entry per TP rank
+        if load_format == shm.LOAD_FORMAT:  # JSON manifests of views on the sender's shared memory
+            try:
+                pieces = [p for e in unique for p in shm.manifest_views(shm.parse_manifest(e), shm_cache)]
+            except Exception as exc:
+                return _ok_update(f"could not read the relax_shm manifest: {exc}", False)
+            try:
+                res = await asyncio.wrap_future(engine.update_weight_ranges(pieces, body.get("weight_version")))
+            except EngineError as exc:
+                return _ok_update(str(exc), False)
+            return _ok_update(f"Succeeded to update model weights (relax_shm, {res['num_tensors']} pieces).", True,
+                              weight_version=engine.weight_version, elapsed_s=time.perf_counter() - t0,
+                              apply_s=res["apply_s"])
 
         def load():
             named = []
