@@ -115,7 +115,20 @@ def test_sglang_passthrough_and_typed():
     assert cfg.sglang_some_new_flag == "x"
     assert cfg.sglang_enable_foo is True
     assert cfg.sglang_cuda_graph_bs == [1, 2, 4]
-    assert "--sglang-some-new-flag" in unsupported_flags(cfg)
+    flagged = unsupported_flags(cfg)
+    # the embedded engine would ignore SGLang server flags: refused, naming the backend that honours them
+    assert any(f.startswith("--sglang-some-new-flag (an SGLang server flag") for f in flagged), flagged
+    assert any(f.startswith("--sglang-mem-fraction-static (") for f in flagged), flagged
+
+
+def test_sglang_server_flags_are_honoured_with_sglang_engines():
+    argv = BASE + ["--sglang-mem-fraction-static", "0.7", "--sglang-some-new-flag", "x"]
+    cfg = parse_config(argv + ["--rollout-backend", "sglang"])
+    assert unsupported_flags(cfg) == []
+    from relax.roles.rollout import engine_server_args
+
+    args = engine_server_args(cfg, "sglang")  # what every SGLang server is launched with
+    assert args["mem_fraction_static"] == 0.7 and args["some_new_flag"] == "x"
 
 
 def test_unsupported_flags_stop_a_real_run_before_ray():

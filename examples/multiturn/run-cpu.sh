@@ -21,7 +21,7 @@ cd "$ROOT"
 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$ROOT/.venv/bin/relax-train" \
   --hf-checkpoint "$OUT/model" --prompt-data "$OUT/prompts.jsonl" --apply-chat-template --label-key label \
   --custom-generate-function-path examples.multiturn.tool_generate.generate \
-  --custom-rm-path examples.multiturn.tool_generate.reward \
+  --custom-rm-path examples.multiturn.tool_generate.reward --log-multi-turn \
   --rollout-batch-size 4 --n-samples-per-prompt 4 --num-rollout 2 --rollout-max-response-len 96 \
   --micro-batch-size 4 --lr 1e-4 --lr-decay-style constant --distributed-backend gloo \
   --resource '{"actor": [1, 1], "rollout": [1, 1]}' --output-dir "$OUT/run" "$@"

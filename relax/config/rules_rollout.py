@@ -43,4 +43,20 @@ def check_filters(v: dict, explicit) -> None:
                           "--n-samples-per-prompt is 1 (a single reward has no spread); use n >= 2")
 
 
-RULES: tuple = (check_eval, check_debug, check_filters)
+def check_multimodal(v: dict, explicit) -> None:
+    from relax.rollout.multimodal import check_multimodal_keys
+
+    if check_multimodal_keys(v.get("multimodal_keys")) and v.get("rollout_backend") == "embedded" \
+            and not v.get("rollout_external"):
+        raise ConfigError("--multimodal-keys needs an engine that takes images/videos/audio (SGLang): the embedded "
+                          "engine is text-only and would drop them; use --rollout-backend sglang (or an external "
+                          "SGLang with --rollout-external) or drop --multimodal-keys")
+
+
+def check_logging(v: dict, explicit) -> None:
+    key = v.get("log_reward_category")
+    if key is not None and not str(key).strip():
+        raise ConfigError("--log-reward-category needs the key of the category in the dict-valued reward")
+
+
+RULES: tuple = (check_eval, check_debug, check_filters, check_multimodal, check_logging)

@@ -13,6 +13,9 @@ from relax.config.config import Config
 # Run control and configuration layer.
 _CONFIG_LAYER = {"custom_config_path", "dry_run", "output_dir"}
 
+# Post-hoc analysis dumps (relax/observability/train_dump.py; tests/test_dump_details.py).
+_DUMPS = {"dump_details", "save_debug_train_data"}
+
 # The synchronous end-to-end loop (controller, trainer group, rollout manager, data plane).
 _E2E_LOOP = {
     # cluster, data plane, placement
@@ -39,7 +42,7 @@ _E2E_LOOP = {
     "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
     "clip_grad", "bf16", "fp16", "use_distributed_optimizer",
     # weights, checkpoints, metrics
-    "update_weight_buffer_size", "update_weights_interval", "save", "save_interval", "load", "start_rollout_id",
+    "update_weight_buffer_size", "update_weights_interval", "megatron_to_hf_mode", "save", "save_interval", "load", "start_rollout_id",
     "use_tensorboard", "tb_project_name", "tb_experiment_name",
 }
 
@@ -50,7 +53,7 @@ from relax.config.support_weights import WEIGHTS_FEATURES, WEIGHTS_FEATURES_AFTE
 # TrainerWorker.push_weights goes through relax.weights.sync.push_for_config, which reads these.
 _WEIGHT_SYNC = {"weight_sync_method"} | set(WEIGHTS_FEATURES_AFTER_TRAINER_PATCH)
 
-IMPLEMENTED: frozenset[str] = frozenset(_CONFIG_LAYER | _E2E_LOOP | TRAINING_FEATURES | ROLLOUT_FEATURES
+IMPLEMENTED: frozenset[str] = frozenset(_CONFIG_LAYER | _DUMPS | _E2E_LOOP | TRAINING_FEATURES | ROLLOUT_FEATURES
                                         | WEIGHTS_FEATURES | _WEIGHT_SYNC)
 
 # Flags whose feature is built for some values only: dest -> supported values.
@@ -60,6 +63,10 @@ SUPPORTED_VALUES: dict[str, frozenset] = {
     # "sglang": tests/test_sglang_cpu.py drives the controller with real SGLang on CPU (needs the
     # separate venv from scripts/install_sglang_cpu.sh; skipped when it is absent).
     "rollout_backend": frozenset({"auto", "embedded", "sglang"}),
+    # raw: relax/backends/megatron/hf_weights.py (tests/test_megatron_hf.py). bridge: the converter exists
+    # (relax/backends/megatron/bridge.py) but the trainer does not use it, and Megatron-Bridge cannot be
+    # installed next to transformers 5 on CPU here.
+    "megatron_to_hf_mode": frozenset({"raw"}),
 }
 for _dest, _values in TRAINING_SUPPORTED_VALUES.items():
     SUPPORTED_VALUES[_dest] = SUPPORTED_VALUES.get(_dest, frozenset()) | frozenset(_values)
@@ -70,14 +77,33 @@ def unsupported_flags(config: Config, implemented: frozenset[str] = IMPLEMENTED)
     defaults = config.meta.get("defaults", {})
     names = config.meta.get("flag_names", {})
     out = []
+    sglang_engines = None  # resolved lazily: only when an --sglang-* server flag is set
     for dest in sorted(config.explicit):
         if dest in implemented and (dest not in SUPPORTED_VALUES or config[dest] in SUPPORTED_VALUES[dest]):
             continue
         if dest in defaults and config[dest] == defaults[dest]:
             continue
         name = names.get(dest, "--" + dest.replace("_", "-"))
+        if is_sglang_server_flag(dest):
+            if sglang_engines is None:
+                sglang_engines = uses_sglang_engines(config)
+            if sglang_engines:
+                continue  # forwarded to every SGLang server (relax.roles.rollout.engine_server_args)
+            out.append(f"{name} (an SGLang server flag: honoured only with --rollout-backend sglang)")
+            continue
         out.append(f"{name} {config[dest]}" if dest in SUPPORTED_VALUES else name)
     return out
+
+
+def is_sglang_server_flag(dest: str) -> bool:
+    return dest.startswith("sglang_") and not dest.startswith("sglang_router_")
+
+
+def uses_sglang_engines(config: Config) -> bool:
+    """Engines are real SGLang servers (started by Relax, or external ones reached over its HTTP API)."""
+    from relax.roles.engine import resolve_backend
+
+    return resolve_backend(config.rollout_backend) == "sglang"
 
 
 def require_supported(config: Config) -> None:
@@ -88,3 +114,8 @@ def require_supported(config: Config) -> None:
         raise ConfigError("not supported yet: " + ", ".join(missing)
                           + " (these flags are accepted but their features are not built; "
                             "remove them, or see `relax-train --dry-run` for the full list)")
+    if getattr(config, "multimodal_keys", None) and not config.rollout_external:
+        from relax.rollout.multimodal import require_engine_support
+
+        # `auto` resolves here, before Ray starts: a text-only engine would drop the images
+        require_engine_support(config, "sglang" if uses_sglang_engines(config) else "embedded")

@@ -18,7 +18,13 @@ ROLLOUT_FEATURES: frozenset[str] = frozenset({
     "custom_generate_function_path", "rollout_data_postprocess_path", "custom_rollout_log_function_path",
     "custom_eval_rollout_log_function_path",
     # partial rollout
-    "partial_rollout", "mask_offpolicy_in_partial_rollout",
+    "partial_rollout", "mask_offpolicy_in_partial_rollout", "partial_rollout_max_aborted_count",
+    # evaluation generation (tests/test_rollout_flags_logging.py)
+    "eval_function_path",
+    # step statistics (relax.rollout.step_logs; tests/test_rollout_flags_logging.py)
+    "log_multi_turn", "log_correct_samples", "log_reward_category",
     # data
     "skip_bad_lines",
+    # multimodal inputs to SGLang (relax.rollout.multimodal; tests/test_rollout_flags_multimodal.py)
+    "multimodal_keys",
 })

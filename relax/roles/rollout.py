@@ -3,6 +3,11 @@
 One call of `generate(step)` produces the step's samples and writes them into the step's data-plane
 partition. Engines join and leave the router at run time (`add_engine` / `remove_engine`), so an
 autoscaler or a health manager can change the set without a restart.
+
+Step metrics: `step_metrics` always; `--log-passrate`, `--log-multi-turn`, `--log-correct-samples`
+(which also writes OUTPUT_DIR/correct_samples/step_N.jsonl) and `--log-reward-category` add theirs
+(`relax.rollout.step_logs`). With `--rollout-external` the engines are not started or stopped here:
+the given addresses join the router, and shutdown stops only the router.
 """
 
 from __future__ import annotations
@@ -24,10 +29,14 @@ def engine_server_args(config: Any, backend: str) -> dict[str, Any]:
                 "max_running_requests": 256}
         if config.rollout_max_context_len:
             args["context_length"] = config.rollout_max_context_len
+        if getattr(config, "offload_rollout", False):  # released weights really free their storage
+            args["offload_weights_on_release"] = True
         return args
     args = {k[len("sglang_"):]: v for k, v in config.items()
             if k.startswith("sglang_") and not k.startswith("sglang_router_") and v is not None}
     args.setdefault("random_seed", config.rollout_seed)
+    if getattr(config, "offload_rollout", False):  # /release_memory_occupation needs SGLang's memory saver
+        args.setdefault("enable_memory_saver", True)
     if config.rollout_max_context_len:
         args.setdefault("context_length", config.rollout_max_context_len)
     return args
@@ -97,7 +106,10 @@ class RolloutManager:
         if c.rollout_external:
             urls = [a if a.startswith("http") else f"http://{a}" for a in c.rollout_external_engine_addrs]
         else:
+            from relax.rollout.multimodal import require_engine_support
+
             backend = resolve_backend(c.rollout_backend)
+            require_engine_support(c, backend)  # `auto` may resolve to the text-only embedded engine
             gpus = c.resource["rollout"][0] * c.resource["rollout"][1]
             num_engines = max(1, gpus // c.rollout_num_gpus_per_engine)
             args = engine_server_args(c, backend)
@@ -179,6 +191,10 @@ class RolloutManager:
             from relax.rollout.evaluation import passrate_metrics
 
             metrics.update(passrate_metrics(groups, "rollout/"))
+        if c.log_multi_turn or c.log_correct_samples or c.log_reward_category:
+            from relax.rollout.step_logs import step_log_metrics
+
+            metrics.update(step_log_metrics(c, step, samples))
         if self.source is not None and hasattr(self.source, "stats"):
             stats = self.source.stats()
             for key in ("buffered_groups", "filtered_long_prompts", "bad_lines"):

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 from relax.data.sample import Sample
 from relax.rollout.context import call_flexible, load_hook
+from relax.rollout.multimodal import SAMPLE_KEY as MULTIMODAL
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +66,9 @@ class RolloutDataSourceWithBuffer:
                 continue  # counted by the encoder as a filtered long prompt
             group = self.next_group
             self.next_group += 1
+            extra = {MULTIMODAL: record.multimodal} if getattr(record, "multimodal", None) else {}
             out.append([Sample(group_index=group, prompt=record.prompt, prompt_tokens=list(tokens),
-                               label=record.label, metadata={**record.metadata, "prompt_index": record.index},
+                               label=record.label, metadata={**record.metadata, "prompt_index": record.index, **extra},
                                ) for _ in range(self.n_samples)])
             self.counts["served_fresh"] += 1
         return out

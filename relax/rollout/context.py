@@ -59,14 +59,16 @@ class RolloutContext:
     max_concurrency: int = 64
     extra: dict = field(default_factory=dict)
 
-    async def engine_generate(self, input_ids: Sequence[int], sampling_params: dict, *, rid: Optional[str] = None):
-        """One /generate call through the router: `relax.rollout.generate.EngineReply`."""
+    async def engine_generate(self, input_ids: Sequence[int], sampling_params: dict, *, rid: Optional[str] = None,
+                              extra: Optional[dict] = None):
+        """One /generate call through the router: `relax.rollout.generate.EngineReply`. `extra`: more
+        request fields, e.g. `relax.rollout.generate.sample_payload_fields(sample)` (multimodal inputs)."""
         from relax.rollout.generate import call_engine
 
         if self.session is None:
             raise RuntimeError("engine_generate is only available inside a running rollout")
         return await call_engine(self.session, self.router_url, input_ids, sampling_params, rid=rid,
-                                 timeout_s=self.timeout_s, retries=self.retries)
+                                 timeout_s=self.timeout_s, retries=self.retries, extra=extra)
 
     async def abort(self, rids: Sequence[str]) -> None:
         """Abort requests by id at every engine (the router does not know where each one runs)."""

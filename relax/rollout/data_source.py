@@ -5,7 +5,8 @@ Files
   ``.parquet``. Each row becomes a ``PromptRecord``: ``prompt`` from ``input_key``
   (a string or a list of message dicts; required), ``label`` from ``label_key``,
   ``metadata`` from ``metadata_key`` (a dict, or a JSON string of one; ``{}`` when
-  absent), ``tools`` from ``tool_key`` (a list, or a JSON string of one). Keys may
+  absent), ``tools`` from ``tool_key`` (a list, or a JSON string of one),
+  ``multimodal`` from ``multimodal_keys`` ({modality: field}; see relax.rollout.multimodal). Keys may
   be dotted paths into nested objects (``"extra_info.question"``) when no column
   has the literal name. ``index`` numbers the good rows of the file from 0, in file
   order, and is stable across epochs, shuffles and resumes.
@@ -77,13 +78,16 @@ class PromptRecord:
     label: Any = None
     metadata: dict = field(default_factory=dict)
     tools: Optional[list] = None
+    multimodal: Optional[dict] = None  # {modality: value} from --multimodal-keys
 
     def to_dict(self) -> dict:
-        return {"index": self.index, "prompt": self.prompt, "label": self.label, "metadata": self.metadata, "tools": self.tools}
+        return {"index": self.index, "prompt": self.prompt, "label": self.label, "metadata": self.metadata,
+                "tools": self.tools, "multimodal": self.multimodal}
 
     @classmethod
     def from_dict(cls, d: dict) -> "PromptRecord":
-        return cls(index=int(d["index"]), prompt=d["prompt"], label=d.get("label"), metadata=dict(d.get("metadata") or {}), tools=d.get("tools"))
+        return cls(index=int(d["index"]), prompt=d["prompt"], label=d.get("label"), metadata=dict(d.get("metadata") or {}),
+                   tools=d.get("tools"), multimodal=d.get("multimodal"))
 
 
 # --------------------------------------------------------------------------- rows
@@ -132,6 +136,7 @@ class _Keys:
     label_key: Optional[str]
     metadata_key: Optional[str]
     tool_key: Optional[str]
+    multimodal_keys: Optional[tuple] = None  # ((modality, field), ...)
 
 
 def _row_to_record(row: Any, index: int, keys: _Keys) -> PromptRecord:
@@ -153,7 +158,13 @@ def _row_to_record(row: Any, index: int, keys: _Keys) -> PromptRecord:
     md = {} if md is _MISSING else (_maybe_json(md, f"metadata key {keys.metadata_key!r}", dict) or {})
     tools = _lookup(row, keys.tool_key)
     tools = None if tools is _MISSING else _maybe_json(tools, f"tool key {keys.tool_key!r}", list)
-    return PromptRecord(index=index, prompt=prompt, label=label, metadata=dict(md), tools=tools)
+    multimodal = {}
+    for modality, key in keys.multimodal_keys or ():
+        value = _lookup(row, key)
+        if value is not _MISSING and value is not None:
+            multimodal[modality] = value
+    return PromptRecord(index=index, prompt=prompt, label=label, metadata=dict(md), tools=tools,
+                        multimodal=multimodal or None)
 
 
 def _file_format(path: str) -> str:
@@ -261,10 +272,12 @@ class _Reader:
             yield rec, _Cursor(nxt, lineno, index)
 
 
-def _keys(input_key: str, label_key: Optional[str], metadata_key: Optional[str], tool_key: Optional[str]) -> _Keys:
+def _keys(input_key: str, label_key: Optional[str], metadata_key: Optional[str], tool_key: Optional[str],
+          multimodal_keys: Optional[dict] = None) -> _Keys:
     if not input_key:
         raise ValueError("input_key is required")
-    return _Keys(input_key, label_key, metadata_key, tool_key)
+    return _Keys(input_key, label_key, metadata_key, tool_key,
+                 tuple(sorted(multimodal_keys.items())) if multimodal_keys else None)
 
 
 def read_prompt_records(
@@ -276,9 +289,10 @@ def read_prompt_records(
     tool_key: Optional[str] = "tools",
     skip_bad_lines: bool = False,
     keep: Optional[Callable[[PromptRecord], bool]] = None,
+    multimodal_keys: Optional[dict] = None,
 ) -> tuple[list[PromptRecord], dict]:
     """All records of a file and ``{"bad_lines": n, "filtered_long_prompts": m}``."""
-    reader = _Reader(path, _keys(input_key, label_key, metadata_key, tool_key), skip_bad_lines, keep)
+    reader = _Reader(path, _keys(input_key, label_key, metadata_key, tool_key, multimodal_keys), skip_bad_lines, keep)
     counts = {"bad_lines": 0, "filtered_long_prompts": 0}
 
     def bad(_: int) -> None:
@@ -341,6 +355,7 @@ class PromptDataSource:
         prompt_encoder: Any = None,
         streaming: bool = False,
         buffer_size: int = 10000,
+        multimodal_keys: Optional[dict] = None,
     ) -> None:
         if buffer_size <= 0:
             raise ValueError(f"buffer_size must be positive, got {buffer_size}")
@@ -353,7 +368,8 @@ class PromptDataSource:
         keep = None
         if prompt_encoder is not None and getattr(prompt_encoder, "max_prompt_len", None) is not None:
             keep = prompt_encoder.fits
-        self._reader = _Reader(self.path, _keys(input_key, label_key, metadata_key, tool_key), skip_bad_lines, keep)
+        self._reader = _Reader(self.path, _keys(input_key, label_key, metadata_key, tool_key, multimodal_keys),
+                               skip_bad_lines, keep)
         self._buffer: collections.deque = collections.deque()
         self._counts = {"bad_lines": 0, "filtered_long_prompts": 0}
         self.epoch = 0
@@ -394,6 +410,7 @@ class PromptDataSource:
             streaming=bool(getattr(args, "use_streaming_dataset", False)),
             buffer_size=int(getattr(args, "streaming_buffer_size", 10000) or 10000),
             prompt_encoder=prompt_encoder,
+            multimodal_keys=getattr(args, "multimodal_keys", None),
         )
         kw.update(overrides)
         return cls(path, **kw)

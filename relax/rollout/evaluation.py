@@ -16,6 +16,14 @@ JSON, OmegaConf interpolation allowed)::
 Per-set keys (anything else is an error naming the file and key): see `EVAL_SET_KEYS`. Unset keys
 fall back to the `--eval-*` flags (which fall back to the `--rollout-*` ones).
 
+Generation: each sample goes through the default token-in/token-out call (or
+`--custom-generate-function-path`), as in the default rollout function. `--eval-function-path` replaces
+this for evaluation only: `fn(ctx, rollout_id, eval_set, groups) -> groups` (sync or async) receives
+the set's prompt groups (`list[list[Sample]]`, `eval_set.n_samples_per_eval_prompt` each, responses
+empty; `eval_set.sampling_params()` gives the set's sampling) and returns them generated; `ctx` is the
+`RolloutContext` with a live session (`await ctx.engine_generate(...)`). Scoring and metrics stay
+Relax's.
+
 Metrics per set: `reward_mean`, `reward_std`, `response_len_mean`, `truncated_fraction`,
 `num_samples`, `reward_errors`, `filtered_long_prompts`, and with `--log-passrate` `pass@k` for k =
 1, 2, 4, ... up to the samples per prompt (unbiased estimator; a sample passes when its reward > 0).
@@ -206,13 +214,15 @@ def _records(es: EvalSet, args: Any):
 
     return read_prompt_records(es.path, input_key=es.input_key or "input", label_key=es.label_key,
                                metadata_key=es.metadata_key or "metadata", tool_key=es.tool_key,
-                               skip_bad_lines=bool(getattr(args, "skip_bad_lines", False)))[0]
+                               skip_bad_lines=bool(getattr(args, "skip_bad_lines", False)),
+                               multimodal_keys=getattr(args, "multimodal_keys", None))[0]
 
 
 async def aevaluate_set(ctx: Any, es: EvalSet, encoder: Any, rollout_id: int) -> tuple[dict, list]:
     """Generate and score one set; returns (metrics without prefix, groups)."""
     from relax.data.sample import STATUS_TRUNCATED, Sample
     from relax.rollout.context import load_hook
+    from relax.rollout.multimodal import SAMPLE_KEY as MULTIMODAL
     from relax.rollout.rewards import RewardRunner
     from relax.rollout.sglang_rollout import generate_sample
 
@@ -229,7 +239,9 @@ async def aevaluate_set(ctx: Any, es: EvalSet, encoder: Any, rollout_id: int) ->
             continue
         groups.append([Sample(index=len(groups) * es.n_samples_per_eval_prompt + j, group_index=len(groups),
                               prompt=rec.prompt, prompt_tokens=list(tokens), label=rec.label,
-                              metadata={**rec.metadata, "eval_set": es.name, "prompt_index": rec.index}, rollout_step=rollout_id)
+                              metadata={**rec.metadata, "eval_set": es.name, "prompt_index": rec.index,
+                                        **({MULTIMODAL: rec.multimodal} if rec.multimodal else {})},
+                              rollout_step=rollout_id)
                        for j in range(es.n_samples_per_eval_prompt)])
     limit = asyncio.Semaphore(ctx.max_concurrency)
 
@@ -237,17 +249,23 @@ async def aevaluate_set(ctx: Any, es: EvalSet, encoder: Any, rollout_id: int) ->
         async with limit:
             return await generate_sample(ctx, s, sampling, custom, max_context_len=es.max_context_len)
 
+    eval_fn = load_hook(getattr(args, "eval_function_path", None), "--eval-function-path")
     runner = RewardRunner.from_args(args, rm_type=es.rm_type, custom_rm_path=es.custom_rm_path,
                                     reward_key=es.reward_key)
     try:
         async with aiohttp.ClientSession() as session:
             ctx.session = session
             try:
-                flat = await asyncio.gather(*(one(s) for g in groups for s in g))
+                if eval_fn is not None:
+                    groups = await run_eval_function(eval_fn, ctx, rollout_id, es, groups)
+                    flat = [s for g in groups for s in g]
+                else:
+                    flat = await asyncio.gather(*(one(s) for g in groups for s in g))
             finally:
                 ctx.session = None
-        n = es.n_samples_per_eval_prompt
-        groups = [list(flat[i:i + n]) for i in range(0, len(flat), n)]
+        if eval_fn is None:
+            n = es.n_samples_per_eval_prompt
+            groups = [list(flat[i:i + n]) for i in range(0, len(flat), n)]
         result = await runner.ascore(groups, assign=True) if groups else None
     finally:
         runner.close()
@@ -265,6 +283,24 @@ async def aevaluate_set(ctx: Any, es: EvalSet, encoder: Any, rollout_id: int) ->
     if getattr(args, "log_passrate", False):
         metrics.update(passrate_metrics(groups, ""))
     return metrics, groups
+
+
+async def run_eval_function(fn: Any, ctx: Any, rollout_id: int, es: EvalSet, groups: list) -> list:
+    """Call an `--eval-function-path` function (sync or async) and check its answer."""
+    import inspect
+
+    from relax.data.sample import Sample
+
+    out = fn(ctx, rollout_id, es, groups)
+    if inspect.isawaitable(out):
+        out = await out
+    out = groups if out is None else [g if isinstance(g, list) else [g] for g in out]
+    for g in out:
+        if not g or not all(isinstance(s, Sample) for s in g):
+            raise TypeError(f"--eval-function-path: must return non-empty lists of Sample (eval set {es.name!r})")
+        for s in g:
+            s.validate()
+    return out
 
 
 def evaluate(ctx: Any, encoder: Any, rollout_id: int, sets: Sequence[EvalSet]) -> tuple[dict, dict]:

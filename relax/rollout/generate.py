@@ -129,13 +129,30 @@ class EngineReply:
         return {"length": STATUS_TRUNCATED, "abort": STATUS_ABORTED}.get(self.finish or "", STATUS_COMPLETED)
 
 
-async def call_engine(session: aiohttp.ClientSession, url: str, input_ids: Sequence[int], sampling: dict, *,
-                      rid: str | None = None, timeout_s: float = 600.0, retries: int = 2,
-                      what: str = "request") -> EngineReply:
-    """POST {url}/generate with token ids; retries transport errors, raises GenerationError at the end."""
+def generate_payload(input_ids: Sequence[int], sampling: dict, *, rid: str | None = None,
+                     extra: dict | None = None) -> dict[str, Any]:
+    """The JSON body of one SGLang /generate request (token ids in, log-probs back)."""
     payload: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling, "return_logprob": True}
     if rid is not None:
         payload["rid"] = rid
+    if extra:
+        payload.update(extra)
+    return payload
+
+
+def sample_payload_fields(sample: Sample) -> dict[str, Any]:
+    """Request fields a sample carries besides its tokens: its multimodal inputs (--multimodal-keys)."""
+    from relax.rollout.multimodal import SAMPLE_KEY, payload_fields
+
+    return payload_fields((sample.metadata or {}).get(SAMPLE_KEY))
+
+
+async def call_engine(session: aiohttp.ClientSession, url: str, input_ids: Sequence[int], sampling: dict, *,
+                      rid: str | None = None, timeout_s: float = 600.0, retries: int = 2,
+                      what: str = "request", extra: dict | None = None) -> EngineReply:
+    """POST {url}/generate with token ids; retries transport errors, raises GenerationError at the end.
+    `extra`: more request fields (e.g. `image_data` of a multimodal sample)."""
+    payload = generate_payload(input_ids, sampling, rid=rid, extra=extra)
     last_error = ""
     for attempt in range(retries + 1):
         try:
@@ -206,7 +223,8 @@ async def generate_one(session: aiohttp.ClientSession, url: str, sample: Sample,
         sample.response_text = ""
     sample.metadata["rid"] = rid = sample_rid(sample)
     reply = await call_engine(session, url, sample.prompt_tokens + done, params, rid=rid, timeout_s=timeout_s,
-                              retries=retries, what=f"sample {sample.index} (group {sample.group_index})")
+                              retries=retries, what=f"sample {sample.index} (group {sample.group_index})",
+                              extra=sample_payload_fields(sample))
     mask = list(sample.loss_mask) if done else []
     if done and len(mask) != len(done):
         mask = [1] * len(done)

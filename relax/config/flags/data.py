@@ -32,7 +32,7 @@ def add_flags(parser):
 
     g = parser.add_argument_group("Multimodal data")
     g.add_argument("--multimodal-keys", type=json_object, default=None,
-                   help='Map of modality to dataset field as JSON, e.g. \'{"image": "images"}\'.')
+                   help='Map of modality to dataset field as JSON, e.g. \'{"image": "images"}\'; sent to SGLang as image_data/video_data/audio_data (not the embedded engine).')
     g.add_argument("--use-audio-in-video", action="store_true", default=False, help="Also use the audio track of videos.")
     g.add_argument("--image-max-token-num", type=int, default=None, help="Upper bound of tokens per image (processor default 16384).")
     g.add_argument("--image-min-token-num", type=int, default=None, help="Lower bound of tokens per image (processor default 4).")

@@ -8,7 +8,9 @@ def add_flags(parser):
                    help="Evaluation sets as name/path pairs: NAME PATH [NAME PATH ...].")
     g.add_argument("--eval-config", type=str, default=None,
                    help="YAML/JSON file of evaluation sets with per-set overrides (replaces --eval-prompt-data).")
-    g.add_argument("--eval-function-path", type=str, default=None, help="Dotted path of the eval rollout function (default: the rollout one).")
+    g.add_argument("--eval-function-path", type=str, default=None,
+                   help="Evaluation generation function fn(ctx, rollout_id, eval_set, groups) -> groups "
+                        "(default: generate like the rollout function, with --custom-generate-function-path).")
     g.add_argument("--skip-eval-before-train", action="store_true", default=False, help="Do not evaluate before the first step.")
     g.add_argument("--eval-input-key", type=str, default=None, help="Prompt field in eval data (default --input-key).")
     g.add_argument("--eval-label-key", type=str, default=None, help="Label field in eval data (default --label-key).")

@@ -18,9 +18,9 @@ def add_flags(parser):
 
     g = parser.add_argument_group("Logging options")
     g.add_argument("--log-passrate", action="store_true", default=False, help="Log pass@k over each prompt's samples.")
-    g.add_argument("--log-multi-turn", action="store_true", default=False, help="Log multi-turn rollout statistics.")
-    g.add_argument("--log-correct-samples", action="store_true", default=False, help="Log statistics of correct samples.")
-    g.add_argument("--log-reward-category", type=str, default=None, help="Dict-reward key whose categories are counted.")
+    g.add_argument("--log-multi-turn", action="store_true", default=False, help="Log multi-turn statistics (turns, tool calls, model vs environment tokens) as multi_turn/* metrics.")
+    g.add_argument("--log-correct-samples", action="store_true", default=False, help="Log correct samples (reward > 0): rollout/correct_* metrics and a few per step in OUTPUT_DIR/correct_samples/step_N.jsonl.")
+    g.add_argument("--log-reward-category", type=str, default=None, help="Key of the dict-valued reward that holds a category: count, fraction and mean reward per category as reward_category/<cat>/*.")
 
     g = parser.add_argument_group("Notifications")
     g.add_argument("--notify-urls", type=str, default=None, help="Comma-separated Apprise URLs notified on finish or failure.")

@@ -47,7 +47,9 @@ def add_flags(parser):
                    help="How trainer weights reach the engines: shared-memory tensors (same host), a safetensors "
                         "folder reloaded from disk, or a collective broadcast (gloo on CPU, NCCL on GPU).")
     g.add_argument("--keep-old-actor", action="store_true", default=False,
-                   help="Keep a copy of the rollout-time policy for old log-probs during training.")
+                   help="Keep a host copy of the weights last sent to the engines and compute old log-probs "
+                        "with them, so the importance ratio is against the policy that generated the samples even "
+                        "when the actor moved on (--update-weights-interval > 1).")
 
     g = parser.add_argument_group("External inference engines")
     g.add_argument("--rollout-external", action="store_true", default=False,
