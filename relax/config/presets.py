@@ -14,7 +14,11 @@ from typing import Any
 EMBEDDED_MARKER = "embedded_default"
 
 # Tuned for the tiny model on the `successor` task (see relax.models.tasks.TINY_GRPO_RECOMMENDED):
-# 4 optimizer steps per rollout, a warm-up of 5 rollouts, and a KL loss to the warm-started model.
+# 4 optimizer steps per rollout, a warm-up of 5 rollouts, a weak KL loss to the warm-started model and a
+# cosine decay to 1/10 of the peak rate over the run. Measured (`relax-train`, 100 rollouts, deterministic):
+# reward 0.10 at step 0, 5-step mean above 0.8 from step 57, never below 0.81 after step 60, mean 0.96 over
+# steps 70-99. With a constant rate and --kl-loss-coef 0.1 the reward first passed 0.8 only at step 76
+# and fell back to ~0.5 (a dip at the constant peak rate); the KL coefficient mostly sets the speed of the rise.
 EMBEDDED_PRESET: dict[str, Any] = {
     "rollout_batch_size": 32,
     "n_samples_per_prompt": 16,
@@ -28,11 +32,12 @@ EMBEDDED_PRESET: dict[str, Any] = {
     "apply_chat_template": True,
     "lr": 2e-3,
     "lr_warmup_iters": 20,
-    "lr_decay_style": "constant",
+    "lr_decay_style": "cosine",  # decays over --num-rollout x steps per rollout (derived --lr-decay-iters)
+    "min_lr": 2e-4,
     "weight_decay": 0.0,
     "clip_grad": 1.0,
     "use_kl_loss": True,
-    "kl_loss_coef": 0.1,
+    "kl_loss_coef": 0.01,
     "kl_loss_type": "low_var_kl",
     "calculate_per_token_loss": True,
     "micro_batch_size": 16,
