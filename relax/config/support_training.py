@@ -22,6 +22,8 @@ TRAINING_FEATURES: frozenset[str] = frozenset({
     "keep_old_actor", "true_on_policy_mode",
     # helper E: MoE routing replay (tests/test_routing_replay.py)
     "use_routing_replay",
+    # helper H: rollout routing replay, R3 (tests/test_rollout_routing_replay.py)
+    "use_rollout_routing_replay",
 })
 
 # Values of flags whose other values are not built yet (merge into relax.config.support.SUPPORTED_VALUES):

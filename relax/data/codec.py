@@ -23,8 +23,8 @@ token-aligned lists    prompt_tokens, response_tokens (int32),    jagged nested 
                        loss_mask (int8), response_logprobs        [B, j] (one flat buffer
                        (float32 by default, see below)            + offsets)
 text                   response_text, status                      NonTensorStack of str
-python objects         prompt, label, raw_reward, metadata        NonTensorStack of pickle
-                                                                  bytes
+python objects         prompt, label, raw_reward, metadata,       NonTensorStack of pickle
+                       rollout_routed_experts                     bytes
 =====================  =========================================  =====================
 
 Why pickle for the object fields (both layouts): TransferQueue keeps non-tensor values through msgpack,
@@ -64,7 +64,7 @@ INT_SCALAR_FIELDS = ("index", "group_index", "weight_version", "rollout_step")
 FLOAT_SCALAR_FIELDS = ("reward",)
 JAGGED_FIELDS = ("prompt_tokens", "response_tokens", "loss_mask", "response_logprobs")
 TEXT_FIELDS = ("response_text", "status")
-OBJECT_FIELDS = ("prompt", "label", "raw_reward", "metadata")
+OBJECT_FIELDS = ("prompt", "label", "raw_reward", "metadata", "rollout_routed_experts")
 
 _JAGGED_DTYPES = {
     "prompt_tokens": torch.int32,

@@ -43,6 +43,8 @@ class Sample:
         weight_version: version of the policy weights that generated the response.
         metadata: free-form per-sample dict (any picklable values).
         rollout_step: training step whose rollout produced this sample.
+        rollout_routed_experts: --use-rollout-routing-replay: the MoE experts the engine routed each token
+            to, ``{"shape": [rows, layers * k], "b64": ...}`` (see ``relax.data.routes``), or None.
     """
 
     index: int = -1
@@ -60,6 +62,7 @@ class Sample:
     weight_version: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
     rollout_step: int = 0
+    rollout_routed_experts: Any = None
 
     def __post_init__(self) -> None:
         if self.status not in SAMPLE_STATUSES:

@@ -70,7 +70,8 @@ async def generate_sample(ctx: RolloutContext, sample: Sample, sampling: dict, c
     return await generate_one(ctx.session, ctx.router_url, sample, sampling, timeout_s=ctx.timeout_s,
                               retries=ctx.retries,
                               mask_offpolicy=bool(getattr(args, "mask_offpolicy_in_partial_rollout", False)),
-                              max_context_len=max_context_len)
+                              max_context_len=max_context_len,
+                              return_routed_experts=bool(getattr(args, "use_rollout_routing_replay", False)))
 
 
 def generate_rollout(ctx: RolloutContext, rollout_id: int) -> RolloutOutput:

@@ -102,8 +102,13 @@ def train_rollout(trainer, samples: Sequence[Sample], config: Any, extras: dict[
     gbs = config.global_batch_size or len(samples)
     num_updates = max(1, len(samples) // gbs)
     base = trainer_inputs(samples, [0.0] * len(samples))
+    routes = rollout_replay_routes(trainer, samples, config, step)
+    if routes is not None:  # R3: the old log-probs too are computed with the engine's routing
+        for x, r in zip(base, routes):
+            x["routed_experts"] = r
     olds, old_entropy, recomputed = _old_logprobs(trainer, base, config, num_updates, step)
-    routes = _replay_routes(trainer, base, config)
+    if routes is None:
+        routes = _replay_routes(trainer, base, config)
     on_policy_diff = None
     if config.true_on_policy_mode:
         on_policy_diff = check_true_on_policy(samples, recomputed, step)
@@ -203,6 +208,43 @@ def _replay_routes(trainer, base: Sequence[dict[str, Any]], config: Any) -> list
         return None
     weights = "old_actor" if getattr(config, "keep_old_actor", False) else None
     return trainer.compute_logprobs_and_routes(base, config.rollout_temperature, weights=weights)[1]
+
+
+def rollout_replay_routes(trainer, samples: Sequence[Sample], config: Any, step: int = 0
+                          ) -> list[torch.Tensor] | None:
+    """--use-rollout-routing-replay (R3): each sample's routes as the rollout engine chose them
+    (`Sample.rollout_routed_experts`), as this pipeline stage's replay routes [L, rows, k]
+    (`routing_replay.rollout_routes_to_stage`; the final token, never run through the engine, is replayed like
+    padding, which cannot change any trained log-prob). A sample without routes, or whose routes stop before a
+    token in the loss, stops the step naming it."""
+    if not getattr(config, "use_rollout_routing_replay", False):
+        return None
+    from relax.backends.megatron.routing_replay import rollout_routes_to_stage
+    from relax.data.routes import decode_routes, routes_rows
+
+    layers = trainer.moe_stage_layers()
+    topk = trainer.arch.moe_router_topk
+    out = []
+    for s in samples:
+        data = s.rollout_routed_experts
+        mask = list(s.loss_mask or [1] * len(s.response_tokens))
+        last = max((j for j, m in enumerate(mask) if m), default=-1)
+        needed = len(s.prompt_tokens) + last  # positions 0 .. prompt + last - 1 feed the last trained token
+        if last < 0:  # nothing of it is trained (e.g. no response): its routing cannot matter
+            out.append(torch.zeros((len(layers), 0, topk), dtype=torch.long))
+            continue
+        if data is None or routes_rows(data) < needed:
+            have = "no routed experts" if data is None else f"routed experts for {routes_rows(data)} tokens"
+            raise RuntimeError(f"step {step}: --use-rollout-routing-replay: sample {s.index} (group "
+                               f"{s.group_index}) has {have}, needs {needed} (prompt {len(s.prompt_tokens)} + "
+                               f"response {len(s.response_tokens)} tokens, the last trained one at {last}); its "
+                               "generate path did not return the engine's routes for all of them (a custom "
+                               "generate function must set Sample.rollout_routed_experts)")
+        try:
+            out.append(rollout_routes_to_stage(decode_routes(data), layers, topk, s.total_length))
+        except ValueError as exc:
+            raise RuntimeError(f"step {step}: --use-rollout-routing-replay: sample {s.index}: {exc}") from None
+    return out
 
 
 def _old_logprobs(trainer, base: Sequence[dict[str, Any]], config: Any, num_updates: int, step: int):

@@ -49,21 +49,16 @@ from typing import Any, Callable, Iterable
 import torch
 
 from relax.backends.embedded.weight_names import expert_aliases
+from relax.backends.embedded.routing import RouteCapture
 from relax.backends.embedded.sampling import SamplingParams, sample_batch, seeded_position_seed
 
 logger = logging.getLogger(__name__)
 
 from relax.backends.embedded.requests import (  # noqa: F401  (re-exported)
-    _DTYPES,
-    resolve_dtype,
-    EngineError,
-    GenRequest,
-    _Command,
-    _RunningBatch,
-    _cache_layers_mergeable,
-    _left_pad,
-    response_payload,
+    _DTYPES, EngineError, GenRequest, _cache_layers_mergeable, _Command, _left_pad, _RunningBatch, check_finish,
+    prompt_logprobs, resolve_dtype, response_payload,
 )
+
 
 class EmbeddedEngine:
     """Continuous-batching generation over a transformers causal LM on one device (CPU)."""
@@ -116,6 +111,7 @@ class EmbeddedEngine:
         # transformers 5.x calls the KV cache `cache` (in and out); 4.x `past_key_values`.
         fwd_params = inspect.signature(type(self.model).forward).parameters
         self._cache_kw = "cache" if "cache" in fwd_params else "past_key_values"
+        self._routes = RouteCapture(self.model)  # return_routed_experts (R3), see routing.py
 
         self._lock = threading.Condition()
         self._pending: deque[GenRequest] = deque()
@@ -204,9 +200,12 @@ class EmbeddedEngine:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
+        return_routed_experts: bool = False,
     ) -> GenRequest:
         if not input_ids:
             raise EngineError("input_ids is empty")
+        if return_routed_experts and not self._routes.available:
+            raise EngineError("return_routed_experts: this model has no MoE routers")
         bad = [t for t in input_ids if not 0 <= int(t) < self.vocab_size]
         if bad:
             raise EngineError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
@@ -224,6 +223,7 @@ class EmbeddedEngine:
             return_logprob=bool(return_logprob),
             top_logprobs_num=int(top_logprobs_num or 0),
             logprob_start_len=int(-1 if logprob_start_len is None else logprob_start_len),
+            return_routed_experts=bool(return_routed_experts),
         )
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -590,14 +590,16 @@ class EmbeddedEngine:
         pos = (mask.cumsum(dim=1) - 1).clamp(min=0)
         want_prompt_lp = any(r.return_logprob and r.logprob_start_len >= 0 for r in group)
         cache = DynamicCache(config=self.model.config)
-        out = self.model(
-            input_ids=ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            position_ids=pos.to(self.device),
-            use_cache=True,
-            logits_to_keep=0 if want_prompt_lp else 1,
-            **{self._cache_kw: cache},
-        )
+        with self._routes.recording(any(r.return_routed_experts for r in group)) as routes:
+            out = self.model(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                position_ids=pos.to(self.device),
+                use_cache=True,
+                logits_to_keep=0 if want_prompt_lp else 1,
+                **{self._cache_kw: cache},
+            )
+            routes.take_prefill(group, maxlen)
         logits = out.logits
         cache = self._out_cache(out)
         if self._merge_ok is None:
@@ -607,7 +609,7 @@ class EmbeddedEngine:
         for r in group:
             self.stats["num_prompt_tokens"] += len(r.input_ids)
         if want_prompt_lp:
-            self._prompt_logprobs(group, logits, maxlen)
+            prompt_logprobs(group, logits, maxlen)
         last_logits = logits[:, -1, :]
         batch = _RunningBatch(
             reqs=list(group),
@@ -632,19 +634,6 @@ class EmbeddedEngine:
         if len(batch) == 0:
             return
         self._merge(batch)
-
-    def _prompt_logprobs(self, group: list[GenRequest], logits: torch.Tensor, maxlen: int) -> None:
-        for i, r in enumerate(group):
-            if not (r.return_logprob and r.logprob_start_len >= 0):
-                continue
-            n = len(r.input_ids)
-            t = 1.0 if r.params.temperature == 0.0 else r.params.temperature
-            row = logits[i, maxlen - n:, :].float() / t  # positions of this prompt
-            lp = torch.log_softmax(row[:-1], dim=-1)
-            tgt = torch.tensor(r.input_ids[1:], dtype=torch.long).to(lp.device)
-            vals = lp.gather(1, tgt[:, None])[:, 0].tolist()
-            full = [None] + vals
-            r.input_logprobs = full[max(0, min(r.logprob_start_len, n)):]
 
     # --- batch surgery ----------------------------------------------------------------------------
     def _select_rows(self, b: _RunningBatch, keep: list[int]) -> None:
@@ -720,13 +709,15 @@ class EmbeddedEngine:
         assert b is not None
         bsz = len(b)
         b.mask = torch.cat([b.mask, torch.ones((bsz, 1), dtype=b.mask.dtype, device=b.mask.device)], dim=1)
-        out = self.model(
-            input_ids=b.last[:, None],
-            attention_mask=b.mask,
-            position_ids=b.pos[:, None],
-            use_cache=True,
-            **{self._cache_kw: b.cache},
-        )
+        with self._routes.recording(any(r.return_routed_experts for r in b.reqs)) as routes:
+            out = self.model(
+                input_ids=b.last[:, None],
+                attention_mask=b.mask,
+                position_ids=b.pos[:, None],
+                use_cache=True,
+                **{self._cache_kw: b.cache},
+            )
+            routes.take_decode(b.reqs)
         b.cache = self._out_cache(out)
         b.pos = b.pos + 1
         self.stats["num_decode_steps"] += 1
@@ -781,20 +772,7 @@ class EmbeddedEngine:
         return finished
 
     def _check_finish(self, r: GenRequest, tok: int) -> dict | None:
-        n = len(r.output_ids)
-        if n >= r.params.min_new_tokens and tok in r.stop_ids:
-            return {"type": "stop", "matched": tok}
-        if r.params.stop and n >= r.params.min_new_tokens:
-            longest = max(len(s) for s in r.params.stop)
-            tail_ids = r.output_ids[-(4 * longest + 8):]
-            tail = self.tokenizer.decode(tail_ids, skip_special_tokens=r.params.skip_special_tokens)
-            for s in r.params.stop:
-                if s in tail:
-                    r.matched_stop_str = s
-                    return {"type": "stop", "matched": s}
-        if n >= r.max_new:
-            return {"type": "length", "length": r.max_new}
-        return None
+        return check_finish(r, tok, self.tokenizer)
 
     # --- answers ----------------------------------------------------------------------------------
     def _finish(self, r: GenRequest, reason: dict) -> None:

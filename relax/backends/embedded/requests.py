@@ -49,6 +49,7 @@ class GenRequest:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
+    return_routed_experts: bool = False  # R3: meta_info["routed_experts"] (see routing.py)
     # --- state, owned by the scheduler thread ---
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -61,6 +62,7 @@ class GenRequest:
     first_token_time: float | None = None
     future: Future = field(default_factory=Future)
     stop_ids: frozenset = frozenset()
+    routed_chunks: list = field(default_factory=list)  # [t, layers, k] int32 per forward pass that ran it
 
     @property
     def max_new(self) -> int:
@@ -137,4 +139,41 @@ def response_payload(r: "GenRequest", tokenizer: Any, weight_version: str) -> di
             meta["input_token_logprobs"] = []
         if r.top_logprobs_num > 0:
             meta["output_top_logprobs"] = [[[lp, tid, None] for lp, tid in row] for row in r.output_top]
+    if r.return_routed_experts:
+        from relax.backends.embedded.routing import META_KEY, encode_routed_experts
+
+        meta[META_KEY] = encode_routed_experts(r.routed_chunks)
     return {"text": text, "output_ids": list(r.output_ids), "meta_info": meta}
+
+
+def prompt_logprobs(group: list[GenRequest], logits: torch.Tensor, maxlen: int) -> None:
+    """Fill `input_logprobs` of the requests of a left-padded prefill that asked for prompt log-probs."""
+    for i, r in enumerate(group):
+        if not (r.return_logprob and r.logprob_start_len >= 0):
+            continue
+        n = len(r.input_ids)
+        t = 1.0 if r.params.temperature == 0.0 else r.params.temperature
+        row = logits[i, maxlen - n:, :].float() / t  # positions of this prompt
+        lp = torch.log_softmax(row[:-1], dim=-1)
+        tgt = torch.tensor(r.input_ids[1:], dtype=torch.long).to(lp.device)
+        vals = lp.gather(1, tgt[:, None])[:, 0].tolist()
+        full = [None] + vals
+        r.input_logprobs = full[max(0, min(r.logprob_start_len, n)):]
+
+
+def check_finish(r: GenRequest, tok: int, tokenizer: Any) -> dict | None:
+    """Why `r` stops after appending `tok` (stop token, stop string, length), or None."""
+    n = len(r.output_ids)
+    if n >= r.params.min_new_tokens and tok in r.stop_ids:
+        return {"type": "stop", "matched": tok}
+    if r.params.stop and n >= r.params.min_new_tokens:
+        longest = max(len(s) for s in r.params.stop)
+        tail_ids = r.output_ids[-(4 * longest + 8):]
+        tail = tokenizer.decode(tail_ids, skip_special_tokens=r.params.skip_special_tokens)
+        for s in r.params.stop:
+            if s in tail:
+                r.matched_stop_str = s
+                return {"type": "stop", "matched": s}
+    if n >= r.max_new:
+        return {"type": "length", "length": r.max_new}
+    return None

@@ -25,7 +25,8 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["ROUTES_KEY", "RouteRecorder", "RouteReplayer", "model_routers", "pack_targets", "split_recorded"]
+__all__ = ["ROUTES_KEY", "RouteRecorder", "RouteReplayer", "model_routers", "pack_targets", "rollout_routes_to_stage",
+           "split_recorded", "stage_layers"]
 
 # Sample-dict key of the per-sample routes [L, n, k] that `MegatronTrainer.train_step` replays.
 ROUTES_KEY = "routed_experts"
@@ -38,6 +39,33 @@ def model_routers(model: torch.nn.Module) -> list:
 
     return [m.router_replay for m in model.modules()
             if isinstance(m, TopKRouter) and getattr(m, "router_replay", None) is not None]
+
+
+def stage_layers(model: torch.nn.Module) -> list[int]:
+    """0-based global layer numbers of `model`'s MoE routers with routing replay, in model order (a pipeline
+    stage owns a contiguous slice; Megatron's `layer_number` already includes the stage's offset)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [int(m.layer_number) - 1 for m in model.modules()
+            if isinstance(m, TopKRouter) and getattr(m, "router_replay", None) is not None]
+
+
+def rollout_routes_to_stage(routes, layers: Sequence[int], topk: int, num_tokens: int) -> torch.Tensor:
+    """Rollout routing replay (R3): the engine's routes of one sample, int [rows, num_layers * k] (SGLang's
+    [tokens, layers, k] with layers = the HF model's MoE layers, layer i of HF = layer i of Megatron for the
+    supported all-MoE models), as this stage's replay routes [len(layers), min(rows, num_tokens), k].
+
+    rows is normally num_tokens - 1: the final token was sampled but never run through the engine. Missing
+    trailing tokens are replayed like padding (experts 0..k-1, `pack_targets`); that is exact for the loss,
+    since a causal model's output at position t depends on the routing of positions <= t only, and the last
+    position's logits predict nothing that is trained."""
+    grid = torch.as_tensor(routes, dtype=torch.long)
+    if grid.dim() != 2 or grid.shape[1] % topk:
+        raise ValueError(f"rollout routes of shape {tuple(grid.shape)} do not split into top-{topk} experts")
+    grid = grid.view(grid.shape[0], -1, topk)[:num_tokens]
+    if layers and max(layers) >= grid.shape[1]:
+        raise ValueError(f"rollout routes cover {grid.shape[1]} MoE layers; this stage has layers {list(layers)}")
+    return grid[:, list(layers)].permute(1, 0, 2).contiguous()
 
 
 def split_recorded(recorded: Sequence[torch.Tensor], seq_length: int, lengths: Sequence[int]) -> list[torch.Tensor]:

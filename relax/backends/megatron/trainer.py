@@ -425,11 +425,13 @@ class MegatronTrainer:
         self, samples: Sequence[dict[str, Any]], temperature: float = 1.0, *, weights: Optional[str] = None
     ) -> list[torch.Tensor]:
         """Log-probs (float32, CPU) of each sample's response tokens under the current weights, or under the
-        weights kept by `keep_weights(weights)` (the current ones are restored afterwards)."""
+        weights kept by `keep_weights(weights)` (the current ones are restored afterwards). Samples that carry
+        `routed_experts` (rollout routing replay) are run with those routes replayed."""
         apply_cpu_compat()
-        with self.using_kept_weights(weights):
+        with self.using_kept_weights(weights), self._route_replayer(samples) as replayer:  # R3: samples' routes
             return self._forward_per_response(
-                samples, lambda mb, logits: self._response_logprobs(logits, mb, temperature, with_entropy=False)[0])
+                samples, lambda mb, logits: self._response_logprobs(logits, mb, temperature, with_entropy=False)[0],
+                hooks=replayer)
 
     @torch.no_grad()
     def compute_logprobs_and_routes(
@@ -459,8 +461,8 @@ class MegatronTrainer:
             logprobs, entropy = self._response_logprobs(logits, mb, temperature, with_entropy=True)
             return torch.stack([logprobs, entropy], dim=-1)
 
-        with self.using_kept_weights(weights):
-            rows = self._forward_per_response(samples, both)
+        with self.using_kept_weights(weights), self._route_replayer(samples) as replayer:
+            rows = self._forward_per_response(samples, both, hooks=replayer)
         return [r[:, 0].clone() for r in rows], [r[:, 1].clone() for r in rows]
 
     # Kept weight copies (--keep-old-actor): host copies of this rank's shard, swapped in for forward passes.
@@ -609,6 +611,12 @@ class MegatronTrainer:
             loss_scale=float(self.optimizer.get_loss_scale().item()),
         )
         return metrics
+
+    def moe_stage_layers(self) -> list[int]:
+        """0-based global layer numbers of this pipeline stage's MoE routers (routing replay)."""
+        from relax.backends.megatron.routing_replay import stage_layers
+
+        return stage_layers(self.gpt_model)
 
     @contextmanager
     def _route_replayer(self, samples: Sequence[dict[str, Any]]):
