@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/e2e_bench.py                       # tiny model (embedded default task)
     .venv/bin/python benchmarks/e2e_bench.py --model DIR --data F  # e.g. SmolLM2 (scripts/convert_smollm2.py)
+    .venv/bin/python benchmarks/e2e_bench.py --metrics runs/smollm2/metrics.jsonl  # summarise a finished run
 
 Runs `relax-train` for --steps steps and prints, from metrics.jsonl (first step excluded as warm-up):
 steps/s, samples/s, rollout tokens/s, train tokens/s, weight-sync seconds and bytes/s.
@@ -47,8 +48,12 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--model", default=None, help="HF model folder (default: the embedded tiny model)")
     p.add_argument("--data", default=None, help="prompt JSONL with input/label (needed with --model)")
+    p.add_argument("--metrics", default=None, help="only summarise this metrics.jsonl of a finished run")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[])
     args = p.parse_args()
+    if args.metrics:
+        summarise(args.metrics, [json.loads(x) for x in Path(args.metrics).read_text().splitlines() if '"step"' in x])
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         if args.model:
             extra = ["--hf-checkpoint", args.model, "--prompt-data", args.data, "--apply-chat-template",

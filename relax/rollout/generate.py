@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -109,6 +110,12 @@ class SamplingSettings:
         return params
 
 
+# --use-rollout-routing-replay request fields: SGLang's `return_routed_experts`, and the same wish as a custom
+# label, because sglang-router 0.3.2 re-serializes /generate bodies through a typed struct that has no
+# `return_routed_experts` (dropped, measured) but forwards `custom_labels`; the embedded engine honours both.
+ROUTED_EXPERTS_FIELDS = {"return_routed_experts": True, "custom_labels": {"return_routed_experts": "true"}}
+
+
 class GenerationError(RuntimeError):
     """An engine request failed for good (the run stops; no sample is dropped silently)."""
 
@@ -147,28 +154,45 @@ def sample_payload_fields(sample: Sample) -> dict[str, Any]:
     return payload_fields((sample.metadata or {}).get(SAMPLE_KEY))
 
 
+UNAVAILABLE_BUDGET_S = 180.0  # how long "no engine available" (HTTP 503) is waited out before failing
+
+
 async def call_engine(session: aiohttp.ClientSession, url: str, input_ids: Sequence[int], sampling: dict, *,
                       rid: str | None = None, timeout_s: float = 600.0, retries: int = 2,
-                      what: str = "request", extra: dict | None = None) -> EngineReply:
-    """POST {url}/generate with token ids; retries transport errors, raises GenerationError at the end.
+                      what: str = "request", extra: dict | None = None,
+                      unavailable_budget_s: float = UNAVAILABLE_BUDGET_S) -> EngineReply:
+    """POST {url}/generate with token ids; retries transport errors `retries` times, and waits out HTTP 503
+    (the router has no healthy engine for now, e.g. while its circuit breaker is open or an engine is being
+    replaced) with backoff for up to `unavailable_budget_s`; raises GenerationError at the end.
     `extra`: more request fields (e.g. `image_data` of a multimodal sample)."""
     payload = generate_payload(input_ids, sampling, rid=rid, extra=extra)
     last_error = ""
-    for attempt in range(retries + 1):
+    attempt = failures = 0
+    started = time.monotonic()
+    while True:
+        attempt += 1
+        status = None
         try:
             async with session.post(url + "/generate", json=payload,
                                     timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 body = await resp.json(content_type=None)
                 if resp.status != 200:
+                    status = resp.status
                     last_error = f"HTTP {resp.status}: {str(body)[:300]}"
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status, message=last_error)
             break
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             last_error = last_error or f"{type(exc).__name__}: {exc}"
-            if attempt == retries:
-                raise GenerationError(f"generation for {what} failed via {url} after "
-                                      f"{retries + 1} attempt(s): {last_error}") from None
-            await asyncio.sleep(min(2.0, 0.2 * 2 ** attempt))
+            waited = time.monotonic() - started
+            if status == 503 and waited < unavailable_budget_s:
+                await asyncio.sleep(min(5.0, 0.2 * 2 ** min(attempt, 5)))
+                last_error = ""
+                continue
+            failures += 1
+            if failures > retries:
+                raise GenerationError(f"generation for {what} failed via {url} after {attempt} attempt(s) in "
+                                      f"{waited:.0f} s: {last_error}") from None
+            await asyncio.sleep(min(2.0, 0.2 * 2 ** failures))
             last_error = ""
     meta = body["meta_info"]
     pairs = meta.get("output_token_logprobs") or []
@@ -188,13 +212,15 @@ def sample_rid(sample: Sample) -> str:
 
 async def generate_one(session: aiohttp.ClientSession, url: str, sample: Sample, sampling: dict, *,
                        timeout_s: float = 600.0, retries: int = 2, mask_offpolicy: bool = False,
-                       max_context_len: int | None = None) -> Sample:
+                       max_context_len: int | None = None, return_routed_experts: bool = False) -> Sample:
     """Fill (or, for an aborted partial response, continue) one sample's response.
 
     A resumed sample sends prompt + its response so far and gets at most the remaining new tokens; with
     `mask_offpolicy` the tokens generated before the resume get loss_mask 0. `max_context_len` caps
     prompt + response (the request asks for fewer new tokens; a prompt that already fills it is truncated
-    with no response).
+    with no response). `return_routed_experts` (--use-rollout-routing-replay): the request asks for SGLang's
+    `return_routed_experts` and the sample keeps them (`Sample.rollout_routed_experts`, merged with the routes
+    of an earlier partial response, see `relax.data.routes`).
     """
     done = list(sample.response_tokens) if sample.status == STATUS_ABORTED else []
     params = dict(sampling)
@@ -208,6 +234,7 @@ async def generate_one(session: aiohttp.ClientSession, url: str, sample: Sample,
         if room <= 0:
             if not done:
                 sample.response_tokens, sample.response_logprobs, sample.loss_mask = [], [], []
+                sample.rollout_routed_experts = None
             sample.status = STATUS_TRUNCATED
             return sample
     if done:
@@ -221,10 +248,16 @@ async def generate_one(session: aiohttp.ClientSession, url: str, sample: Sample,
     else:
         sample.response_tokens, sample.response_logprobs, sample.loss_mask = [], [], []
         sample.response_text = ""
+        sample.rollout_routed_experts = None
     sample.metadata["rid"] = rid = sample_rid(sample)
+    extra = sample_payload_fields(sample)
+    if return_routed_experts:
+        extra = {**(extra or {}), **ROUTED_EXPERTS_FIELDS}
     reply = await call_engine(session, url, sample.prompt_tokens + done, params, rid=rid, timeout_s=timeout_s,
                               retries=retries, what=f"sample {sample.index} (group {sample.group_index})",
-                              extra=sample_payload_fields(sample))
+                              extra=extra)
+    if return_routed_experts:
+        _keep_routes(sample, reply, len(sample.prompt_tokens) + len(done))
     mask = list(sample.loss_mask) if done else []
     if done and len(mask) != len(done):
         mask = [1] * len(done)
@@ -235,6 +268,21 @@ async def generate_one(session: aiohttp.ClientSession, url: str, sample: Sample,
     sample.status = reply.status
     sample.weight_version = reply.weight_version
     return sample
+
+
+def _keep_routes(sample: Sample, reply: EngineReply, context_len: int) -> None:
+    """Store the reply's routed experts (context + new tokens - 1 rows) on the sample."""
+    from relax.data.routes import merge_routes, routes_from_reply
+
+    data = (reply.raw.get("meta_info") or {}).get("routed_experts")
+    rows = context_len + len(reply.tokens) - 1
+    if data is None:
+        raise GenerationError(f"--use-rollout-routing-replay: the engine sent no routed_experts for sample "
+                              f"{sample.index} (group {sample.group_index}); SGLang needs "
+                              "--enable-return-routed-experts, and a router between must forward the request")
+    if rows <= 0:
+        return
+    sample.rollout_routed_experts = merge_routes(sample.rollout_routed_experts, routes_from_reply(data, rows))
 
 
 async def generate_samples(router_url: str, samples: Sequence[Sample], sampling: SamplingSettings, *,

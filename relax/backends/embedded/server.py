@@ -6,7 +6,8 @@ Run:  python -m relax.backends.embedded.server --model-path DIR --host 127.0.0.1
 Endpoints (request / response schemas follow SGLang's `http_server.py` and `io_struct.py`):
 
 - POST /generate   `text` | `input_ids` (one prompt or a list), `sampling_params` (dict or list),
-  `return_logprob`, `logprob_start_len`, `top_logprobs_num`, `rid`. Answers
+  `return_logprob`, `logprob_start_len`, `top_logprobs_num`, `rid`, `return_routed_experts` (also as
+  `custom_labels["return_routed_experts"]`; meta_info `routed_experts`, see `routing.py`). Answers
   `{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
   "completion_tokens", "cached_tokens", "weight_version", "e2e_latency",
   ["output_token_logprobs": [[logprob, token_id, null], ...], "input_token_logprobs", ...]}}`,
@@ -114,6 +115,10 @@ def build_requests(engine: EmbeddedEngine, body: dict) -> tuple[list, bool]:
     rlp = _as_list(body.get("return_logprob") or False, n_prompts, "return_logprob")
     lsl = _as_list(body.get("logprob_start_len", -1), n_prompts, "logprob_start_len")
     tln = _as_list(body.get("top_logprobs_num") or 0, n_prompts, "top_logprobs_num")
+    # SGLang's field, or a custom label (sglang-router 0.3.2 drops the field but forwards custom_labels)
+    labels = body.get("custom_labels") if isinstance(body.get("custom_labels"), dict) else {}
+    wants_routes = str(labels.get("return_routed_experts", "")).lower() in ("1", "true")
+    rre = _as_list(body.get("return_routed_experts") or wants_routes, n_prompts, "return_routed_experts")
     rid = body.get("rid")
     reqs = []
     for i, prompt in enumerate(prompts):
@@ -143,6 +148,7 @@ def build_requests(engine: EmbeddedEngine, body: dict) -> tuple[list, bool]:
                     return_logprob=bool(rlp[i]),
                     top_logprobs_num=int(tln[i] or 0),
                     logprob_start_len=int(-1 if lsl[i] is None else lsl[i]),
+                    return_routed_experts=bool(rre[i]),
                 )
             )
     return reqs, is_batch
@@ -588,7 +594,12 @@ def main(argv=None) -> None:
     ).start()
     app = create_app(engine)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                            access_log=False, timeout_graceful_shutdown=5)
+                            access_log=False, timeout_graceful_shutdown=5,
+                            # Keep idle connections open longer than the router's connection pool does: with
+                            # uvicorn's 5 s default, a pooled connection idle through a training step could be
+                            # closed just as the router reuses it ("error sending request"), and enough such
+                            # failures open the router's circuit breaker for the only engine.
+                            timeout_keep_alive=600)
     server = uvicorn.Server(config)
     if args.exit_with_parent:
         ppid = os.getppid()
