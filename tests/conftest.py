@@ -24,3 +24,22 @@ def prompt_file(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"input": "1+1=", "label": "2"}\n{"input": "2+2=", "label": "4"}\n')
     return str(path)
+
+
+def run_steps(config, after_start=None) -> list[dict]:
+    """Start a Controller for `config`, run all its steps, shut it down (also on failure), and return the
+    records of `<output-dir>/metrics.jsonl`. `after_start(controller)` runs between start and run."""
+    import json
+
+    from relax.core.controller import Controller
+
+    controller = Controller(config)
+    try:
+        controller.start()
+        if after_start is not None:
+            after_start(controller)
+        controller.run()
+    finally:
+        controller.shutdown()
+    path = Path(config.output_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]

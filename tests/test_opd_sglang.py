@@ -9,7 +9,6 @@
 4. Parse rules and support status.
 """
 
-import json
 import math
 
 import pytest
@@ -119,20 +118,16 @@ def _argv(assets, out, *extra):
 
 
 def test_opd_sglang_end_to_end(assets, teacher_url):
-    from relax.core.controller import Controller
+    from conftest import run_steps
     from relax.core.roles import TrainingAuxRoles
 
     out = assets[0] / "run"
     config = parse_config(_argv(assets, out, "--use-opd", "--opd-type", "sglang", "--rm-url", teacher_url,
                                 "--opd-kl-coef", "0.5"))
-    controller = Controller(config)
-    try:
-        controller.start()
+    def uses_http_teacher(controller):
         assert isinstance(controller.aux, TrainingAuxRoles) and isinstance(controller.aux.teacher, SGLangTeacher)
-        controller.run()
-    finally:
-        controller.shutdown()
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    records = run_steps(config, after_start=uses_http_teacher)
     assert [r["step"] for r in records] == [0, 1]
     for r in records:
         assert math.isfinite(r["train/loss"]) and r["train/grad_norm"] > 0

@@ -267,7 +267,7 @@ def test_rollout_routing_replay_end_to_end(tmp_path):
     refuses samples without them, so finite training metrics prove they arrived. The saved rollouts hold
     routes for every token the engine ran."""
     from relax.config import parse_config
-    from relax.core.controller import Controller
+    from conftest import run_steps
     from relax.models.tasks import generate_task_dataset
 
     model = _with_tokenizer(build_random_tiny_moe_model(tmp_path / "moe", seed=2))
@@ -281,13 +281,7 @@ def test_rollout_routing_replay_end_to_end(tmp_path):
                            "--num-data-storage-units", "1", "--output-dir", str(out), "--distributed-backend", "gloo",
                            "--use-rollout-routing-replay", "--check-weight-update-equal",
                            "--save-debug-rollout-data", str(tmp_path / "dbg" / "{rollout_id}.jsonl")])
-    controller = Controller(config)
-    try:
-        controller.start()
-        controller.run()
-    finally:
-        controller.shutdown()
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = run_steps(config)
     assert [r["step"] for r in records] == [0, 1]
     for r in records:
         assert r["train/num_updates"] == 2.0 and math.isfinite(r["train/loss"]) and math.isfinite(r["train/grad_norm"])

@@ -246,7 +246,7 @@ def test_routing_replay_end_to_end(tmp_path):
     and replays them (a trainer without routing_replay would refuse the routes, so the run proves the wiring).
     The weights reach the engine after each step (per-expert names into transformers' fused expert tensors)."""
     from relax.config import parse_config
-    from relax.core.controller import Controller
+    from conftest import run_steps
     from relax.models.tasks import generate_task_dataset
     from relax.models.tiny import build_byte_tokenizer
 
@@ -268,13 +268,7 @@ def test_routing_replay_end_to_end(tmp_path):
                            # every step's push goes to the engine's fused expert tensors by per-expert HF names,
                            # and is read back tensor by tensor
                            "--check-weight-update-equal"])
-    controller = Controller(config)
-    try:
-        controller.start()
-        controller.run()
-    finally:
-        controller.shutdown()
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = run_steps(config)
     assert [r["step"] for r in records] == [0, 1]
     for r in records:
         # random rewards may give a group zero advantages (grad 0): only finiteness is data-independent here

@@ -104,7 +104,6 @@ class Controller:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
-        c = self.config
         self.colocate.start()  # --offload-train: the trainer makes room for the first rollout
         try:
             self._loop()
@@ -250,7 +249,7 @@ def run_controller(config: Config) -> int:
         controller.run()
         logger.info("finished %d rollout steps; output in %s", config.num_rollout, out)
         return 0
-    except KeyboardInterrupt as exc:
+    except KeyboardInterrupt:
         logger.error("interrupted by %s; shutting down", getattr(_raise_interrupt, "received", None) or "SIGINT")
         return 130
     except SystemExit as exc:  # a signal that arrived while Ray's own handler was installed

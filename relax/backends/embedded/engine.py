@@ -55,7 +55,7 @@ from relax.backends.embedded.sampling import SamplingParams, sample_batch, seede
 logger = logging.getLogger(__name__)
 
 from relax.backends.embedded.requests import (  # noqa: F401  (re-exported)
-    _DTYPES, EngineError, GenRequest, _cache_layers_mergeable, _Command, _left_pad, _RunningBatch, check_finish,
+    EngineError, GenRequest, _cache_layers_mergeable, _Command, _left_pad, _RunningBatch, check_finish,
     prompt_logprobs, resolve_dtype, response_payload,
 )
 
