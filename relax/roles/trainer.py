@@ -100,11 +100,31 @@ class TrainerWorker(MegatronRank):
         named = list(self.trainer.export_hf_weights())
         if self.config.keep_old_actor:  # the policy the engines roll out with until the next push
             self.trainer.keep_weights("old_actor")
+        named = self._gather_pipeline_stages(named)
         if self.rank != 0:
             return {}
         report = push_for_config(named, engine_urls, version, self.config)
         report["export_seconds"] = time.perf_counter() - t0 - report["seconds"]
         return report
+
+    def _gather_pipeline_stages(self, named: list) -> list:
+        """With pipeline parallelism each stage exports only its own layers: rank 0 collects the other stages'
+        tensors (its own pipeline group, on the host) so that the engines receive the whole model."""
+        layout = self.trainer.layout
+        if layout.pp == 1:
+            return named
+        if (layout.tp_rank, layout.cp_rank, layout.dp_rank) != (0, 0, 0):
+            return named  # not in rank 0's pipeline: its copy of the weights is not sent
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_pipeline_model_parallel_group()
+        mine = [(name, t.detach().cpu()) for name, t in named]
+        stages = [None] * layout.pp if self.rank == 0 else None
+        dist.gather_object(mine, stages, dst=0, group=group)
+        if self.rank != 0:
+            return []
+        return [item for stage in stages for item in stage]
 
     def model_state(self) -> dict[str, Any]:
         return self.trainer.model_state()
