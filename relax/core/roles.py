@@ -232,13 +232,10 @@ class TrainingAuxRoles(AuxRoles):
         if self.reference is not None and self.config.ref_update_interval:
             self.reference.save(str(Path(path) / "reference"))
         if self.critic is not None:
-            where = self._critic_dir(path)
-            self.critic.save(str(where))
-            if self.config.critic_save:  # a save root of its own: --critic-load finds the latest iteration
-                root = Path(self.config.critic_save)
-                iteration = int(Path(path).name.rsplit("_", 1)[-1])
-                (root / "latest.tmp").write_text(str(iteration))
-                (root / "latest.tmp").replace(root / "latest_checkpointed_iteration.txt")
+            if self.config.critic_save:
+                save_to_own_root(self.critic, Path(self.config.critic_save), Path(path).name, self.config)
+            else:  # inside the actor's staged checkpoint, which is renamed into place as a whole
+                self.critic.save(str(Path(path) / "critic"))
 
     def load(self, path: str) -> None:
         if self.reference is not None and (Path(path) / "reference" / "meta.json").is_file():
@@ -288,3 +285,28 @@ def build_aux_roles(config: Any, *, use_gpu: bool, data_plane: Any) -> AuxRoles:
         return NoAuxRoles()
     return TrainingAuxRoles(config, groups.get("reference"), critic=groups.get("critic"),
                             teacher=groups.get("teacher"))
+
+
+def save_to_own_root(group: Any, root: Path, name: str, config: Any) -> Path:
+    """Save `group` as `root/<name>/critic` the way actor checkpoints are saved: written into a staging folder,
+    renamed into place, then the `latest_checkpointed_iteration.txt` marker (so --critic-load never sees a
+    partial save), and old iterations rotated with --max-actor-ckpt-to-keep / --rotate-ckpt."""
+    import shutil
+
+    from relax.core.checkpointing import MARKER, _keep_limit, _remove_leftovers, rotate_checkpoints
+
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(root)
+    staging = root / f".tmp_{name}"
+    group.save(str(staging / "critic"))
+    final = root / name
+    if final.exists():
+        shutil.rmtree(final)
+    staging.rename(final)
+    iteration = int(name.rsplit("_", 1)[-1])
+    (root / "latest.tmp").write_text(str(iteration))
+    (root / "latest.tmp").replace(root / MARKER)
+    keep = _keep_limit(config)
+    if keep:
+        rotate_checkpoints(root, keep)
+    return final
