@@ -42,7 +42,8 @@ _E2E_LOOP = {
     "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
     "clip_grad", "bf16", "fp16", "use_distributed_optimizer",
     # weights, checkpoints, metrics
-    "update_weight_buffer_size", "update_weights_interval", "megatron_to_hf_mode", "save", "save_interval", "load", "start_rollout_id",
+    "update_weight_buffer_size", "update_weights_interval", "megatron_to_hf_mode", "save", "save_interval", "load",
+    "start_rollout_id",
     "use_tensorboard", "tb_project_name", "tb_experiment_name",
 }
 
