@@ -59,7 +59,7 @@ def np_whiten(x, m, shift_mean=True, eps=1e-8):
         return out
     vals = x[m]
     mu = vals.mean()
-    var = ((vals - mu) ** 2).mean()
+    var = ((vals - mu) ** 2).sum() / max(len(vals) - 1, 1)  # unbiased, as verl's masked_whiten
     w = (vals - mu) / math.sqrt(var + eps)
     out[m] = w + (0 if shift_mean else mu)
     return out
@@ -228,14 +228,17 @@ def test_whiten_matches_numpy_and_ignores_padding_garbage():
     out = whiten(xt, torch.tensor(m))
     vals = out[torch.tensor(m)].double()
     assert abs(vals.mean().item()) < 1e-6
-    assert abs(vals.var(unbiased=False).item() - 1.0) < 1e-4
+    assert abs(vals.var(unbiased=True).item() - 1.0) < 1e-4  # the unbiased (n-1) variance is 1
 
 
 def test_whiten_edge_cases():
     assert torch.equal(whiten(torch.ones(2, 3), torch.zeros(2, 3)), torch.zeros(2, 3))
     one = whiten(t([[5.0, 1.0]]), torch.tensor([[1, 0]]))
     assert one.tolist() == [[0.0, 0.0]]
-    assert_close(whiten(t([1.0, 3.0])), [-1.0, 1.0], atol=1e-6)
+    # unbiased variance: (1 + 1) / (2 - 1) = 2, so +-1/sqrt(2) (the population variance would give +-1)
+    assert_close(whiten(t([1.0, 3.0])), [-(0.5 ** 0.5), 0.5 ** 0.5], atol=1e-6)
+    x = torch.tensor([0.3, -1.2, 2.5, 0.7, 4.0], dtype=torch.float64)
+    assert_close(whiten(x, eps=0.0), (x - x.mean()) / x.std(unbiased=True), atol=1e-12, rtol=1e-12)
 
 
 def test_kl_penalized_token_rewards():
@@ -293,13 +296,36 @@ def test_reinforce_plus_plus_baseline():
     rewards = np.array([1.0, 0.0, 1.0, 1.0, 0.3, 2.0])
     groups = [0, 0, 0, 1, 1, 2]
     centered = np_grpo(rewards, groups, normalize_std=False)
-    a0 = np.where(m, centered[:, None] - 0.1 * kl, 0.0)
+    # --kl-coef shapes the reward before the group centring: r - kl_coef * sum_t KL_t per sample
+    shaped = rewards - 0.1 * np.where(m, kl, 0.0).sum(axis=1)
+    a0 = np.where(m, np_grpo(shaped, groups, normalize_std=False)[:, None], 0.0)
     out = reinforce_plus_plus_baseline_advantages(t(rewards), torch.tensor(groups), torch.tensor(m), kl=t(kl), kl_coef=0.1)
     assert_close(out, np_whiten(a0, m), atol=1e-4)
+    unwhitened = reinforce_plus_plus_baseline_advantages(t(rewards), torch.tensor(groups), torch.tensor(m), kl=t(kl),
+                                                         kl_coef=0.1, whiten_advantages=False)
+    assert_close(unwhitened, a0, atol=1e-6)
+    # every token of a sample has the same advantage (no per-token KL term after the centring)
+    for b in range(5):
+        vals = unwhitened[b][torch.tensor(m[b])]
+        assert vals.numel() == 0 or torch.allclose(vals, vals[0].expand_as(vals))
     raw = reinforce_plus_plus_baseline_advantages(
         t(rewards), torch.tensor(groups), torch.tensor(m), whiten_advantages=False
     )
     assert_close(raw, np.where(m, centered[:, None], 0.0), atol=1e-6)
+
+
+def test_kl_shaped_rewards():
+    from relax.algorithms.advantages import kl_shaped_rewards
+
+    rng = np.random.default_rng(16)
+    m = random_mask(rng, 5, 6)
+    kl = rng.normal(size=m.shape)
+    rewards = rng.normal(size=5)
+    klt = t(kl, torch.float64)
+    klt[~torch.tensor(m)] = float("nan")  # padding garbage does not leak
+    out = kl_shaped_rewards(t(rewards, torch.float64), torch.tensor(m), kl=klt, kl_coef=0.3)
+    assert_close(out, rewards - 0.3 * np.where(m, kl, 0.0).sum(axis=1), atol=1e-12, rtol=1e-12)
+    assert_close(kl_shaped_rewards(t(rewards, torch.float64), torch.tensor(m)), rewards, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95), (0.9, 0.0)])

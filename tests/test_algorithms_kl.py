@@ -72,6 +72,34 @@ def test_unbiased_is_importance_weighted(kind):
     np.testing.assert_allclose(out.numpy(), np.where(m, expected, 0.0), rtol=1e-10)
 
 
+def test_unbiased_low_var_kl_has_no_log_ratio_clamp():
+    # slime's use_unbiased_kl low_var_kl: clamp(rho * (exp(-x) - 1 + x), -10, 10), x never clamped. With |x| > 20
+    # and a small rho the product is inside [-10, 10] and differs from the x-clamped one
+    lp = torch.tensor([-30.0, -2.0], dtype=torch.float64)
+    ref = torch.tensor([-5.0, -27.0], dtype=torch.float64)  # x = -25, +25
+    old = torch.tensor([-5.0, -2.0 + np.log(5.0)], dtype=torch.float64)  # rho = e^-25, 0.2
+    out = kl_estimate(lp, ref, "low_var_kl", unbiased=True, old_logprobs=old)
+    x, rho = (lp - ref).numpy(), np.exp((lp - old).numpy())
+    expected = np.clip(rho * (np.exp(-x) - 1 + x), -10, 10)
+    assert np.all(np.abs(expected) < 10)  # the final clamp is not what decides these values
+    np.testing.assert_allclose(out.numpy(), expected, rtol=1e-12)
+    xc = np.clip(x, -20, 20)
+    assert np.all(np.abs(rho * (np.exp(-xc) - 1 + xc) - expected) > 0.1)  # an x clamp would change them
+    # without the ratio it is verl's low_var_kl, whose x clamp changes no value
+    plain = kl_estimate(lp, ref, "low_var_kl")
+    np.testing.assert_allclose(plain.numpy(), np.clip(np.exp(-x) - 1 + x, -10, 10), rtol=1e-12)
+
+
+def test_unbiased_low_var_kl_overflow_gives_the_clamp_with_finite_gradient():
+    lp = torch.tensor([-100.0, -1.0], requires_grad=True)  # exp(-x) overflows float32 at x = -100
+    ref = torch.tensor([0.0, -1.5])
+    old = torch.tensor([-100.0, -1.2])
+    out = kl_estimate(lp, ref, "low_var_kl", unbiased=True, old_logprobs=old)
+    assert out[0].item() == 10.0 and torch.isfinite(out).all()
+    out.sum().backward()
+    assert torch.isfinite(lp.grad).all() and lp.grad[0].item() == 0.0
+
+
 def test_k3_and_unbiased_k3_expectations_are_exact_kl_and_gradient():
     """Over a categorical vocab: E_p[k3] = KL(p||q); E_old[rho*k3] = KL(p||q) and its gradient
     w.r.t. the policy logits equals grad KL(p||q) (gradient flows through rho)."""

@@ -342,10 +342,33 @@ def test_value_loss(clip):
     if clip is None:
         exp, frac = 0.5 * l1, 0.0
     else:
-        l2 = (ov + np.clip(v - ov, -clip, clip) - ret) ** 2
+        l2 = (np.clip(v, ov - clip, ov + clip) - ret) ** 2
         exp, frac = 0.5 * np.maximum(l1, l2), np_masked_mean((l2 > l1).astype(float), m)
     np.testing.assert_allclose(loss.numpy(), np.where(m, exp, 0.0), rtol=1e-10)
     assert met["clip_fraction"].item() == pytest.approx(frac)
+
+
+def test_value_clip_fraction_counts_exactly_the_clipped_tokens():
+    # float32 values, most inside the clip range: an unclipped token must never count (old_values +
+    # clamp(values - old_values) can differ from values by a rounding step and made ~0.1-0.3 % count)
+    gen = torch.Generator().manual_seed(5)
+    ov = 0.1 * torch.randn(64, 256, generator=gen)
+    v = (0.1 * torch.randn(64, 256, generator=gen)).clamp(ov - 0.19, ov + 0.19)  # |v - ov| < clip
+    ret = v + 1e-3 * torch.randn(64, 256, generator=gen)
+    m = torch.ones_like(v)
+    spurious = ((ov + (v - ov).clamp(-0.2, 0.2) - ret) ** 2 > (v - ret) ** 2).sum().item()
+    assert spurious > 0  # the rounding the old formula counted does happen on this input
+    loss, met = value_loss(v, ov, ret, m, value_clip=0.2)
+    assert met["clip_fraction"].item() == 0.0
+    assert torch.equal(loss, 0.5 * (v - ret) ** 2)
+    # tokens moved beyond the range count exactly when the clipped branch (the larger loss) is taken: every 4th
+    # token moves to ov + 0.5; half of those have a return far above (the clipped value ov + 0.2 is worse: taken),
+    # the other half keep a return within the range (the clipped value is better: not taken)
+    far, ret2 = v.clone(), ret.clone()
+    far[:, ::4] = ov[:, ::4] + 0.5
+    ret2[:, ::8] = ov[:, ::8] + 1.0
+    _, met = value_loss(far, ov, ret2, m, value_clip=0.2)
+    assert met["clip_fraction"].item() == 1 / 8
 
 
 def test_sft_loss():

@@ -153,19 +153,40 @@ def test_estimators_and_kl_reward_shaping():
     expected = alg.reinforce_plus_plus_advantages(rewards, mask, gamma=0.9)
     assert torch.allclose(stack(adv), expected, atol=1e-5)
     assert len(set(adv[2].tolist())) > 1
-    # --kl-coef: GRPO advantage at the last token, minus kl_coef * KL per token, summed to go
+    # --kl-coef shapes the reward before the advantage: the group estimators normalise r - kl_coef * sum_t KL_t
     gen = torch.Generator().manual_seed(3)
     old = [-torch.rand(n, generator=gen) for n in lengths]
     ref = [-torch.rand(n, generator=gen) for n in lengths]
-    adv, metrics = compute_advantages(samples, _config("--kl-coef", "0.5", "--kl-loss-type", "k3"),
-                                      old_logprobs=old, ref_logprobs=ref)
     kl = alg.kl_estimate(stack(old), stack(ref), "k3", mask=mask)
-    grpo = alg.grpo_advantages(rewards, groups)
-    expected = alg.discounted_returns(alg.kl_penalized_token_rewards(grpo, mask, kl=kl, kl_coef=0.5), mask)
-    assert torch.allclose(stack(adv), expected, atol=1e-5)
+    shaped = rewards.double() - 0.5 * kl.double().sum(dim=-1)
+    for est, expect in (("grpo", alg.grpo_advantages(shaped, groups)), ("gspo", alg.grpo_advantages(shaped, groups)),
+                        ("rloo", alg.rloo_advantages(shaped, groups))):
+        adv, metrics = compute_advantages(samples, _config("--advantage-estimator", est, "--kl-coef", "0.5",
+                                                           "--kl-loss-type", "k3"), old_logprobs=old, ref_logprobs=ref)
+        assert torch.allclose(stack(adv), alg.broadcast_to_tokens(expect, mask).float(), atol=1e-5), est
     assert metrics["kl_reward"] == pytest.approx(float(kl.sum() / mask.sum()), rel=1e-5)
+    # (the old form, the GRPO advantage of the raw reward minus the KL return-to-go, differs)
+    old_form = alg.discounted_returns(alg.kl_penalized_token_rewards(alg.grpo_advantages(rewards, groups), mask,
+                                                                     kl=kl, kl_coef=0.5), mask)
+    grpo_kl, _ = compute_advantages(samples, _config("--kl-coef", "0.5", "--kl-loss-type", "k3"), old_logprobs=old,
+                                    ref_logprobs=ref)
+    assert not torch.allclose(stack(grpo_kl), old_form, atol=1e-3)
+    raw, _ = compute_advantages(samples, _config("--kl-coef", "0.5", "--kl-loss-type", "k3",
+                                                 "--disable-rewards-normalization"), old_logprobs=old, ref_logprobs=ref)
+    assert torch.allclose(stack(raw), alg.broadcast_to_tokens(shaped, mask).float(), atol=1e-6)
+    adv, _ = compute_advantages(samples, _config("--advantage-estimator", "reinforce_plus_plus_baseline",
+                                                 "--normalize-advantages", "--kl-coef", "0.5", "--kl-loss-type",
+                                                 "k3"), old_logprobs=old, ref_logprobs=ref)
+    centred = alg.broadcast_to_tokens(alg.group_mean_baseline(shaped, groups), mask)
+    assert torch.allclose(stack(adv), alg.whiten(centred, mask).float(), atol=1e-5)
+    # token-level estimators: -kl_coef * KL_t per token in the returns
+    adv, _ = compute_advantages(samples, _config("--advantage-estimator", "reinforce_plus_plus",
+                                                 "--normalize-advantages", "--kl-coef", "0.5", "--kl-loss-type",
+                                                 "k3", "--gamma", "0.9"), old_logprobs=old, ref_logprobs=ref)
+    tok = alg.kl_penalized_token_rewards(rewards, mask, kl=kl, kl_coef=0.5)
+    assert torch.allclose(stack(adv), alg.whiten(alg.discounted_returns(tok, mask, 0.9), mask), atol=1e-5)
     plain, _ = compute_advantages(samples, _config())
-    assert not torch.allclose(stack(adv), stack(plain))
+    assert not torch.allclose(stack(grpo_kl), stack(plain))
     # --normalize-advantages whitens over all response tokens
     norm, _ = compute_advantages(samples, _config("--normalize-advantages"))
     assert torch.allclose(stack(norm), alg.whiten(stack(plain), mask), atol=1e-5)

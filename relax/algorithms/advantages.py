@@ -16,6 +16,13 @@ Positions whose mask is 0 *inside* a response (e.g. tool/environment tokens in m
 rollouts) are skipped by the recursive estimators: they receive no reward, apply no
 discount and carry the running return/value through unchanged. For right padding this is
 identical to the usual "recurse over every position" implementations.
+
+KL reward shaping (``--kl-coef``, ``kl`` a per-token estimate of KL(pi_rollout || pi_ref)) is applied
+to the reward *before* the advantage: per-sample estimators see the sequence-shaped reward
+``r_b - kl_coef * sum_t KL[b, t] * m[b, t]`` (``kl_shaped_rewards``; group normalisation, RLOO and
+REINFORCE++-baseline's group centring act on it); token-level estimators (REINFORCE++, PPO's GAE)
+get ``-kl_coef * KL[b, t]`` as a per-token reward with the sample reward on the last token
+(``kl_penalized_token_rewards``), so the penalty enters their returns.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ __all__ = [
     "broadcast_to_tokens",
     "whiten",
     "kl_penalized_token_rewards",
+    "kl_shaped_rewards",
     "discounted_returns",
     "reinforce_plus_plus_advantages",
     "reinforce_plus_plus_baseline_advantages",
@@ -145,10 +153,12 @@ def whiten(
 ) -> torch.Tensor:
     """Masked whitening over all masked entries of the batch (``--normalize-advantages``).
 
-    ``mu = sum(x*m)/sum(m)``, ``var = sum((x-mu)^2 * m)/sum(m)`` (population variance),
+    ``n = sum(m)``, ``mu = sum(x*m)/n``, ``var = sum((x-mu)^2 * m)/(n - 1)`` (the unbiased
+    variance, as verl's ``masked_whiten`` and OpenRLHF's advantage normalisation),
     ``out = (x - mu) / sqrt(var + eps)``; with ``shift_mean=False`` the mean is added back:
     ``out = (x - mu) / sqrt(var + eps) + mu`` (rescale only). Outside the mask the output
-    is 0. An empty mask gives all zeros. ``mask=None`` whitens every entry.
+    is 0. An empty mask gives all zeros, a single entry 0 (``n - 1`` is taken as at least 1).
+    ``mask=None`` whitens every entry.
     """
     dtype = _out_dtype(values)
     x = values.to(dtype)
@@ -159,7 +169,7 @@ def whiten(
     n = m.to(torch.float64).sum().clamp_min(1)
     x64 = zero_outside(x.to(torch.float64), bool_mask)
     mu = x64.sum() / n
-    var = zero_outside((x64 - mu) ** 2, bool_mask).sum() / n
+    var = zero_outside((x64 - mu) ** 2, bool_mask).sum() / (n - 1).clamp_min(1)
     out = (x64 - mu) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mu
@@ -203,6 +213,28 @@ def kl_penalized_token_rewards(
     last, has = _last_token_index(bool_mask)
     add = torch.where(has, rewards.to(dtype), torch.zeros((), dtype=dtype, device=tok.device))
     return tok.scatter_add(1, last.unsqueeze(1), add.unsqueeze(1))
+
+
+@torch.no_grad()
+def kl_shaped_rewards(
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> torch.Tensor:
+    """Per-sample rewards with the sequence KL penalty (``--kl-coef`` for per-sample estimators), ``[B]``.
+
+    ``r'_b = r_b - kl_coef * sum_t kl[b, t] * mask[b, t]``, to be given to ``grpo_advantages`` /
+    ``rloo_advantages`` / ``group_mean_baseline`` in place of ``r`` (the penalty is part of the reward
+    that is group-normalised). ``kl=None`` or ``kl_coef == 0`` returns the rewards unchanged (as float).
+    """
+    dtype = _out_dtype(rewards, *([kl] if kl is not None else []))
+    out = rewards.to(dtype)
+    if kl is None or kl_coef == 0.0:
+        return out.clone()
+    bool_mask, _ = as_mask(mask, kl)
+    return out - kl_coef * zero_outside(kl.to(dtype), bool_mask).sum(dim=-1)
 
 
 @torch.no_grad()
@@ -278,18 +310,16 @@ def reinforce_plus_plus_baseline_advantages(
 ) -> torch.Tensor:
     """REINFORCE++-baseline advantages (arXiv:2501.03262 v2+), ``[B, T]``.
 
-    ``A0[b, t] = (r_b - mean_{g(b)} r) - kl_coef * kl[b, t]`` on masked tokens (group-mean
-    baseline, no std division, optional per-token KL penalty), then
-    ``A = whiten(A0, mask)`` over the whole batch. Singleton groups get a centered reward
-    of 0 (before whitening).
+    With the KL-shaped reward ``r'_b = r_b - kl_coef * sum_t kl[b, t] * mask[b, t]``
+    (``kl_shaped_rewards``; ``r' = r`` without ``kl``): ``A0[b, t] = r'_b - mean_{g(b)} r'`` on
+    masked tokens (group-mean baseline, no std division), then ``A = whiten(A0, mask)`` over the
+    whole batch. Singleton groups get a centered reward of 0 (before whitening).
     """
-    centered = group_mean_baseline(rewards, group_ids)
-    dtype = _out_dtype(centered, *([kl] if kl is not None else []))
-    bool_mask, _ = as_mask(mask, centered)
-    a0 = centered.to(dtype).unsqueeze(-1).expand(bool_mask.shape)
-    if kl is not None and kl_coef != 0.0:
-        a0 = a0 - kl_coef * kl.to(dtype)
-    a0 = zero_outside(a0, bool_mask)
+    bool_mask, _ = as_mask(mask, rewards)
+    shaped = kl_shaped_rewards(rewards, bool_mask, kl=kl, kl_coef=kl_coef)
+    centered = group_mean_baseline(shaped, group_ids)
+    dtype = _out_dtype(centered)
+    a0 = zero_outside(centered.to(dtype).unsqueeze(-1).expand(bool_mask.shape), bool_mask)
     return whiten(a0, bool_mask, eps=eps) if whiten_advantages else a0
 
 

@@ -345,11 +345,14 @@ def value_loss(
 
     ::
 
-        V_clip = old_values + clip(values - old_values, -value_clip, value_clip)
+        V_clip = clip(values, old_values - value_clip, old_values + value_clip)
         L      = 0.5 * max((values - R)^2, (V_clip - R)^2)
 
     (``value_clip=None``: ``L = 0.5 * (values - R)^2``.) Metrics: ``clip_fraction`` =
-    frac((V_clip - R)^2 > (values - R)^2).
+    frac((V_clip - R)^2 > (values - R)^2): the tokens whose clipped branch of the max is taken.
+    ``values`` is clipped into the interval itself (as verl's ``clip_by_value``), so an unclipped
+    token has ``V_clip == values`` exactly and never counts; ``old_values + clip(values -
+    old_values, ...)`` could differ from ``values`` by a rounding step and count spuriously.
     """
     dtype = float_dtype(values, old_values, returns)
     bool_mask, _ = as_mask(mask, values)
@@ -361,7 +364,7 @@ def value_loss(
         loss = 0.5 * l1
         clipped = torch.zeros_like(bool_mask)
     else:
-        v_clip = ov + (v - ov).clamp(-value_clip, value_clip)
+        v_clip = torch.clamp(v, ov - value_clip, ov + value_clip)
         l2 = (v_clip - ret) ** 2
         loss = 0.5 * torch.maximum(l1, l2)
         clipped = l2 > l1

@@ -2,21 +2,26 @@
 
 Every estimator yields per-token advantages (one tensor per sample, over its response tokens):
 
-* group estimators (grpo, gspo, sapo, cispo) and rloo: one advantage per
-  sample, broadcast over its tokens; with `--kl-coef` the sample advantage becomes the reward at the
-  last token, each token gets `-kl_coef * KL_t`, and the advantage is the return-to-go
-  (`relax.algorithms.kl_penalized_token_rewards` + `discounted_returns` with `--gamma`);
-* reinforce_plus_plus: discounted return-to-go of KL-penalised token rewards (raw rewards);
-* reinforce_plus_plus_baseline: group-mean-centred reward minus `kl_coef * KL_t` per token;
+* group estimators (grpo, gspo, sapo, cispo) and rloo: one advantage per sample, broadcast over its
+  tokens, from the sample's reward; with `--kl-coef` that reward is first shaped per sample,
+  `r - kl_coef * sum_t KL_t` (over its masked tokens), and the group normalisation (rloo's leave-one-out
+  baseline) acts on the shaped reward (`relax.algorithms.advantages.kl_shaped_rewards`);
+* reinforce_plus_plus: discounted return-to-go of KL-penalised token rewards (raw rewards on the last
+  token, `-kl_coef * KL_t` on every token);
+* reinforce_plus_plus_baseline: the shaped reward `r - kl_coef * sum_t KL_t` minus its group mean,
+  broadcast over the tokens;
 * ppo: GAE (`--gamma`, `--lambd`) over token rewards (the sample's raw reward on its last token,
   `-kl_coef * KL_t` per token with `--kl-coef`) and the critic's values (`relax.roles.critic`); the
   returns (advantages + values, before whitening) are the critic's regression targets;
 * on_policy_distillation (needs --use-opd): pure distillation, the rewards are not used; the reward part of the
-  advantage is 0 (plus `-kl_coef * KL_t` return-to-go with `--kl-coef`) and the OPD term below is all;
+  advantage is 0 (plus `-kl_coef * KL_t` return-to-go with `--kl-coef`, a token-level penalty like
+  REINFORCE++'s) and the OPD term below is all;
 * `--custom-reward-post-process-path` / `--custom-convert-samples-to-train-data-path` give post-processed
   rewards (`rewards=`): the group estimators and rloo use them as the per-sample advantage as given (no group
-  normalisation on top), the other estimators use them in place of the raw rewards;
-* `--normalize-advantages`: masked whitening over all response tokens of the step;
+  normalisation on top; with `--kl-coef` minus `kl_coef * sum_t KL_t`), the other estimators use them in place
+  of the raw rewards; `--disable-rewards-normalization` likewise takes the (shaped) reward as the advantage;
+* `--normalize-advantages`: masked whitening over all response tokens of the step, with the unbiased (n - 1)
+  variance (`relax.algorithms.whiten`, as verl and OpenRLHF);
 * `--use-opd` (any estimator): `opd_kl_coef * (log pi_teacher - log pi_rollout)` per token is added
   after whitening (`relax.algorithms.opd_advantages`), the teacher's log-probs from the teacher role.
 
@@ -54,19 +59,24 @@ def response_mask(samples: Sequence[Sample]) -> torch.Tensor:
     return pad_rows([s.loss_mask or [1] * len(s.response_tokens) for s in samples], width) > 0
 
 
-def sample_advantages(samples: Sequence[Sample], config: Any, rewards: torch.Tensor | None = None) -> torch.Tensor:
+def sample_advantages(samples: Sequence[Sample], config: Any, rewards: torch.Tensor | None = None, *,
+                      kl_penalty: torch.Tensor | None = None) -> torch.Tensor:
     """One advantage per sample ([B] float32) for the group estimators, rloo and on_policy_distillation (zeros).
 
-    `rewards`: post-processed rewards ([B]), used as given."""
+    `rewards`: post-processed rewards ([B]), used as given. `kl_penalty` ([B], `--kl-coef` reward shaping):
+    `kl_coef * sum_t KL_t` per sample, subtracted from the reward before the group normalisation."""
     est = config.advantage_estimator
     if est == DISTILLATION:
         return torch.zeros(len(samples), dtype=torch.float32)
-    if rewards is not None:
-        return torch.as_tensor(rewards, dtype=torch.float32).clone()
-    rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float32)
-    groups = torch.tensor([int(s.group_index) for s in samples], dtype=torch.long)
-    if config.disable_rewards_normalization:
+    given = rewards is not None
+    if not given:
+        rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float32)
+    rewards = torch.as_tensor(rewards, dtype=torch.float32)
+    if kl_penalty is not None:
+        rewards = (rewards.double() - kl_penalty.double()).float()
+    if given or config.disable_rewards_normalization:
         return rewards.clone()
+    groups = torch.tensor([int(s.group_index) for s in samples], dtype=torch.long)
     if est in GROUP_ESTIMATORS:
         return alg.grpo_advantages(rewards, groups, normalize_std=not config.disable_grpo_std_normalization).float()
     if est == "rloo":
@@ -146,13 +156,15 @@ def compute_advantages_and_returns(
         groups = torch.tensor([int(s.group_index) for s in samples], dtype=torch.long)
         adv = alg.reinforce_plus_plus_baseline_advantages(rewards, groups, mask, kl=kl, kl_coef=kl_coef,
                                                           whiten_advantages=False)
+    elif est == DISTILLATION and kl is not None:  # no reward: the token-level KL penalty's return-to-go
+        shaped = alg.kl_penalized_token_rewards(torch.zeros(len(samples)), mask, kl=kl, kl_coef=kl_coef)
+        adv = alg.discounted_returns(shaped, mask, config.gamma)
     else:
-        per_sample = sample_advantages(samples, config, post_processed)
-        if kl is not None:
-            shaped = alg.kl_penalized_token_rewards(per_sample, mask, kl=kl, kl_coef=kl_coef)
-            adv = alg.discounted_returns(shaped, mask, config.gamma)
-        else:
-            adv = alg.broadcast_to_tokens(per_sample, mask)
+        penalty = None
+        if kl is not None:  # r - kl_coef * sum_t KL_t, before the group normalisation (kl is 0 outside the mask)
+            penalty = kl_coef * kl.double().sum(dim=-1)
+        per_sample = sample_advantages(samples, config, post_processed, kl_penalty=penalty)
+        adv = alg.broadcast_to_tokens(per_sample, mask)
     if config.normalize_advantages:
         adv = alg.whiten(adv, mask)
     if getattr(config, "use_opd", False):

@@ -14,7 +14,8 @@ def add_flags(parser):
                         "and the advantage is only the OPD term opd_kl_coef * (log p_teacher - log p_student) "
                         "(needs --use-opd).")
     g.add_argument("--normalize-advantages", action="store_true", default=False,
-                   help="Whiten advantages over the batch (masked mean 0, std 1).")
+                   help="Whiten advantages over the step's response tokens: (A - mean) / sqrt(var + 1e-8) with the "
+                        "unbiased (n-1) masked variance, as verl and OpenRLHF.")
     g.add_argument("--disable-grpo-std-normalization", action="store_true", default=False,
                    help="Do not divide group-centred rewards by the group std (Dr. GRPO).")
     g.add_argument("--disable-rewards-normalization", action="store_true", default=False,
@@ -38,7 +39,11 @@ def add_flags(parser):
 
     g = parser.add_argument_group("KL divergence")
     g.add_argument("--kl-coef", type=float, default=0.0,
-                   help="KL penalty folded into the reward before advantages (exclusive with --kl-loss-coef).")
+                   help="KL penalty folded into the reward before advantages (exclusive with --kl-loss-coef), "
+                        "KL_t = --kl-loss-type estimate of log pi_rollout - log pi_ref per response token: "
+                        "grpo/gspo/sapo/cispo/rloo and reinforce_plus_plus_baseline normalise (centre) the shaped "
+                        "reward r - kl_coef * sum_t KL_t; ppo, reinforce_plus_plus and on_policy_distillation get "
+                        "-kl_coef * KL_t as a per-token reward in their returns.")
     g.add_argument("--use-kl-loss", action="store_true", default=False, help="Add a KL term to the loss.")
     g.add_argument("--kl-loss-coef", type=float, default=0.0, help="Weight of the KL loss term (exclusive with --kl-coef).")
     g.add_argument("--kl-loss-type", type=str, default="k1", choices=["k1", "k2", "k3", "low_var_kl"],
