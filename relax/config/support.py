@@ -8,6 +8,10 @@ the test that make it work.
 
 from __future__ import annotations
 
+import enum
+import math
+from typing import Any
+
 from relax.config.config import Config
 
 # Run control and configuration layer.
@@ -80,9 +84,9 @@ def unsupported_flags(config: Config, implemented: frozenset[str] = IMPLEMENTED)
     out = []
     sglang_engines = None  # resolved lazily: only when an --sglang-* server flag is set
     for dest in sorted(config.explicit):
-        if dest in implemented and (dest not in SUPPORTED_VALUES or config[dest] in SUPPORTED_VALUES[dest]):
+        if dest in implemented and (dest not in SUPPORTED_VALUES or is_supported_value(dest, config[dest])):
             continue
-        if dest in defaults and config[dest] == defaults[dest]:
+        if dest in defaults and same_value(config[dest], defaults[dest]):
             continue
         name = names.get(dest, "--" + dest.replace("_", "-"))
         if is_sglang_server_flag(dest):
@@ -94,6 +98,39 @@ def unsupported_flags(config: Config, implemented: frozenset[str] = IMPLEMENTED)
             continue
         out.append(f"{name} {config[dest]}" if dest in SUPPORTED_VALUES else name)
     return out
+
+
+def _normal(value: Any) -> Any:
+    """A comparable form: enums by name, a list of one by its element, numbers as floats.
+
+    Megatron keeps some scalars in lists (`--moe-aux-loss-coeff 0` parses to [0.0] while its default is
+    0.0), enum flags hold an Enum from Megatron's parser but a string from the mirror or a config file,
+    and a YAML file may write 0 for a float flag: none of these is a different value.
+    """
+    if isinstance(value, enum.Enum):
+        return str(value.name)
+    if isinstance(value, (list, tuple)):
+        items = tuple(_normal(v) for v in value)
+        return items[0] if len(items) == 1 else items
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _normal(v)) for k, v in value.items()))
+    if isinstance(value, float):  # integral floats compare as ints (exact, even past 2**53); NaN equals NaN
+        return "nan" if math.isnan(value) else int(value) if value.is_integer() else value
+    return value
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Whether two flag values are equal by value (see `_normal`)."""
+    if a is b:
+        return True
+    try:
+        return _normal(a) == _normal(b)
+    except TypeError:  # unhashable or odd objects: plain equality
+        return a == b
+
+
+def is_supported_value(dest: str, value: Any) -> bool:
+    return any(same_value(value, ok) for ok in SUPPORTED_VALUES[dest])
 
 
 def is_sglang_server_flag(dest: str) -> bool:
