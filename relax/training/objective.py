@@ -11,6 +11,18 @@ from relax import algorithms as alg
 # Estimators whose loss is plain PPO clipping on per-token ratios.
 _PPO_CLIP = {"grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo", "on_policy_distillation"}
 SUPPORTED_ESTIMATORS = frozenset(_PPO_CLIP | {"gspo", "sapo", "cispo"})
+# How MegatronTrainer.train_step weights each metric across micro-batches (`metric_weighting`): the reduced
+# loss terms follow the loss (--calculate-per-token-loss: masked tokens, else samples); these are means over the
+# samples that have a masked token; every other metric of relax.algorithms is a masked-token mean.
+_REDUCED_METRICS = frozenset({"pg_loss", "entropy", "kl", "sft_loss", "value_loss"})
+_SAMPLE_METRICS = frozenset({"seq_ratio_mean", "opsm_seq_fraction", "opsm_seq_kl_mean",
+                             "mismatch_seq_abs_log_ratio_mean"})
+
+
+def _metric_weighting(name: str, loss_weighting: str) -> str:
+    if name in _REDUCED_METRICS:
+        return loss_weighting
+    return "samples" if name in _SAMPLE_METRICS else "tokens"
 
 
 def _hook(path: Optional[str], flag: str) -> Optional[Callable]:
@@ -39,6 +51,16 @@ class PolicyObjective:
       * custom loss (`--loss-type custom_loss`): `fn(logprobs, entropy, batch, mask) -> (loss, metrics)`,
         the whole micro-batch loss.
     `--loss-type sft`: the loss is the reduced negative log-likelihood of the response tokens.
+
+    reduce = token mean with --calculate-per-token-loss, else sample mean; `loss_weighting` tells the trainer
+    to weight micro-batches by their share of the step's masked tokens (samples), so the step's objective is
+    the token (sample) mean over the whole step whatever the micro-batch split (`MegatronTrainer.train_step`).
+    Metrics across micro-batches (`metric_weighting`): pg_loss, entropy, kl and sft_loss are weighted like the
+    loss (the step's token / sample mean); clip fractions, approx_kl and the other masked-token means of
+    relax.algorithms (TIS, OPSM token fraction, mismatch means, custom TIS hook metrics) by tokens, so they are
+    the step's token means; seq_ratio_mean and the per-sequence OPSM / mismatch metrics by samples.
+    mismatch_ratio_min / _max / _std are token-weighted means of the micro-batches' values (not the step's
+    extremes). A custom loss (`--loss-type custom_loss`) has all its metrics weighted like its loss.
     """
 
     def __init__(self, *, estimator: str, eps_clip: float, eps_clip_high: float, eps_clip_c: float | None,
@@ -91,6 +113,11 @@ class PolicyObjective:
     @property
     def needs_ref(self) -> bool:
         return self.use_kl_loss
+
+    def metric_weighting(self, name: str) -> str:
+        if self.loss_type == "custom_loss":
+            return self.loss_weighting
+        return _metric_weighting(name, self.loss_weighting)
 
     def _policy_loss(self, logprobs, old, advantages, mask):
         if self.estimator in _PPO_CLIP:
@@ -170,7 +197,8 @@ class ValueObjective:
     around batch `old_values` (the critic's values when the step's samples were scored) by `--value-clip`,
     reduced like the policy loss (`--calculate-per-token-loss`: token mean, else sample mean).
 
-    Metrics: value_loss, values_mean (current values, masked token mean), clip_fraction."""
+    Metrics: value_loss (weighted like the loss: the step's token / sample mean), values_mean (current values)
+    and clip_fraction (tokens whose clipped branch is active), both the step's masked-token means."""
 
     needs_entropy = False
 
@@ -178,6 +206,9 @@ class ValueObjective:
         self.value_clip = value_clip
         self.reduction = "token_mean" if per_token_loss else "sample_mean"
         self.loss_weighting = "tokens" if per_token_loss else "samples"
+
+    def metric_weighting(self, name: str) -> str:
+        return _metric_weighting(name, self.loss_weighting)
 
     @classmethod
     def from_config(cls, config: Any) -> "ValueObjective":

@@ -41,7 +41,7 @@ from relax.backends.megatron.model import build_gpt_model
 from relax.backends.megatron.optim import build_optimizer, build_scheduler, wrap_ddp
 from relax.backends.megatron.parallel import ParallelLayout, init_distributed, init_model_parallel
 
-__all__ = ["TrainerSettings", "LossFn", "MegatronTrainer"]
+__all__ = ["TrainerSettings", "LossFn", "MegatronTrainer", "step_shares"]
 
 
 @dataclass(frozen=True)
@@ -126,9 +126,12 @@ class LossFn(Protocol):
     Returns:
         (scalar loss to minimise, metrics: name -> scalar tensor or float).
 
-    The optimised objective is the mean of the returned loss over all
-    micro-batches of all data-parallel ranks. A loss function may set the
-    attribute `needs_entropy = True` to receive entropy.
+    The optimised objective is the sum over all micro-batches of all
+    data-parallel ranks of the returned loss times the micro-batch's share of
+    the step (`step_shares`): of its masked tokens with the attribute
+    `loss_weighting = "tokens"`, else of its samples. A loss function may set
+    `needs_entropy = True` to receive entropy, and `metric_weighting(name) ->
+    "tokens" | "samples"` to weight its metrics otherwise than its loss.
     """
 
     def __call__(
@@ -138,6 +141,29 @@ class LossFn(Protocol):
         batch: dict[str, torch.Tensor],
         mask: torch.Tensor,
     ) -> tuple[torch.Tensor, dict[str, Any]]: ...
+
+
+def _mask_counts(masks: Sequence[torch.Tensor]) -> list[float]:
+    """(masked tokens, samples with a masked token, micro-batches) of the [B, T] masks."""
+    return [sum(float(m.sum()) for m in masks), sum(float((m.sum(dim=-1) > 0).sum()) for m in masks),
+            float(len(masks))]
+
+
+def step_shares(masks: Sequence[torch.Tensor], totals: Optional[Sequence[float]] = None) -> list[dict[str, float]]:
+    """Each micro-batch's share of an optimizer step (the loss normalisation of `MegatronTrainer.train_step`).
+
+    `masks`: the [B, T] loss masks of some micro-batches of the step; `totals`: (masked tokens, samples with a
+    masked token, micro-batches) of the whole step over every data-parallel rank (default: of `masks`).
+    Returns per micro-batch {"tokens": its masked tokens / the step's, "samples": its samples with a masked
+    token / the step's}; with no masked token (sample) in the step, 1 / the step's micro-batches.
+    Sum over the step of share * (micro-batch token mean) = the step's token mean, whatever the split.
+    """
+    tokens, samples, count = _mask_counts(masks) if totals is None else (float(t) for t in totals)
+    out = []
+    for t, n, _ in (_mask_counts([m]) for m in masks):
+        out.append({"tokens": t / tokens if tokens > 0 else 1.0 / count,
+                    "samples": n / samples if samples > 0 else 1.0 / count})
+    return out
 
 
 def _free_port() -> int:
@@ -536,16 +562,21 @@ class MegatronTrainer:
         """One optimizer step on this rank's samples; returns metrics averaged over all ranks.
         With `value_head` (a critic) `loss_fn` receives the values [B, T] in place of log-probs (entropy None).
 
-        Metrics: `loss` (mean of loss_fn's loss), `grad_norm`, `lr` (used by this
+        Metrics: `loss` (the step's objective, see below), `grad_norm`, `lr` (used by this
         update; update k of a warm-up uses lr_init + (lr - lr_init) * k / warmup), `skipped`
-        (1.0 when fp16 overflow skipped the update), `loss_scale`, plus the
-        means of what `loss_fn` returns.
+        (1.0 when fp16 overflow skipped the update), `loss_scale`, plus what `loss_fn` returns,
+        weighted like the loss (below).
 
-        Micro-batches: fixed `micro_batch_size`, or with `max_tokens_per_micro_batch` (dynamic batch
-        size) runs of samples within a padded-token budget. With dynamic batching, micro-batch losses
-        are weighted by their share of the step's samples (or masked tokens when
-        `loss_fn.loss_weighting == "tokens"`), so the objective does not depend on how the samples
-        were packed (a per-sample- or per-token-mean loss then equals the one-micro-batch loss).
+        Loss normalisation (--calculate-per-token-loss, Megatron's meaning): the micro-batches are a
+        fixed `micro_batch_size` or, with `max_tokens_per_micro_batch` (dynamic batch size), runs of
+        samples within a padded-token budget. Either way each micro-batch's loss is weighted by its
+        share of the step: of the masked tokens of every micro-batch on every data-parallel rank when
+        `loss_fn.loss_weighting == "tokens"`, else of the samples that have a masked token. A token-mean
+        loss then gives `sum of per-token losses over the step / masked tokens of the step`, a
+        sample-mean loss `sum of per-sample means / samples of the step`: the same objective, gradient
+        and `loss` metric whatever the micro-batch size, packing or data-parallel split.
+        Metric `m` is weighted by `loss_fn.metric_weighting(m)` ("tokens" or "samples"; default the
+        loss's weighting), so a masked-token mean (e.g. a clip fraction) is the step's token mean.
 
         A non-finite loss or gradient raises `FloatingPointError` on every rank, before the
         optimizer step (the weights are unchanged).
@@ -557,23 +588,16 @@ class MegatronTrainer:
             raise RuntimeError("this MegatronTrainer is forward-only")
         if with_entropy is None:
             with_entropy = bool(getattr(loss_fn, "needs_entropy", False))
-        dynamic = self.settings.max_tokens_per_micro_batch is not None
         micro_batches = self._micro_batches(samples, self.settings.max_tokens_per_micro_batch)
-        # Objective = mean of micro-batch losses over all DP ranks, even if ranks
-        # hold different numbers of micro-batches (schedule divides by the local
-        # count, DDP by the DP size).
         dp_group = ps.get_data_parallel_group()
-        counts = torch.tensor([float(len(micro_batches))], device=self._device)
-        dist.all_reduce(counts, group=dp_group)
-        scale = len(micro_batches) * self.layout.dp / counts.item()
-        weights = None
-        if dynamic:
-            by_tokens = getattr(loss_fn, "loss_weighting", "samples") == "tokens"
-            local = [float(mb.mask.sum()) if by_tokens else float(mb.size) for mb in micro_batches]
-            total = torch.tensor([sum(local)], dtype=torch.float64, device=self._device)
-            dist.all_reduce(total, group=dp_group)
-            weights = {id(mb): w * len(micro_batches) * self.layout.dp / max(total.item(), 1e-12)
-                       for mb, w in zip(micro_batches, local)}
+        shares = self._step_shares(micro_batches, dp_group)
+        loss_weighting = getattr(loss_fn, "loss_weighting", "samples")
+        if loss_weighting not in ("tokens", "samples"):
+            raise ValueError(f"loss_fn.loss_weighting must be 'tokens' or 'samples', not {loss_weighting!r}")
+        metric_weighting = getattr(loss_fn, "metric_weighting", None)
+        # Megatron's schedule divides each micro-batch loss by the local micro-batch count and DDP averages the
+        # gradients over the DP ranks; this factor undoes both, leaving sum over the step of share * loss.
+        undo = len(micro_batches) * self.layout.dp
 
         def micro_batch_loss(mb: MicroBatch, logits: torch.Tensor):
             if self.settings.value_head:  # a critic: the loss function gets values [B, R] in place of log-probs
@@ -587,17 +611,19 @@ class MegatronTrainer:
                 loss, metrics = checkpoint(micro_batch_loss, mb, logits, use_reentrant=False)
             else:
                 loss, metrics = micro_batch_loss(mb, logits)
-            report = {"loss": loss.detach().float()}
+            share = shares[id(mb)]
+            report = {"loss": loss.detach().double() * share[loss_weighting]}
             for key, value in metrics.items():
-                report[key] = torch.as_tensor(value, dtype=torch.float32).detach().to(self._device)
-            return loss * (weights[id(mb)] if weights is not None else scale), report
+                weighting = metric_weighting(key) if metric_weighting is not None else loss_weighting
+                report[key] = torch.as_tensor(value).detach().to(self._device, torch.float64) * share[weighting]
+            return loss * (share[loss_weighting] * undo), report
 
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         with self._route_replayer(samples) as replayer:
             outputs = self._run(micro_batches, step, forward_only=False, hooks=replayer)
-        metrics = self._reduce_metrics(outputs, dp_group, counts.item())
+        metrics = self._reduce_metrics(outputs, dp_group)
         self._check_finite(metrics)
         lr = float(self.optimizer.param_groups[0]["lr"])
         success, grad_norm, _ = self.optimizer.step()
@@ -652,14 +678,22 @@ class MegatronTrainer:
                 f"train/grad_norm is not finite (a gradient holds NaN/Inf; train/loss is {loss})"
             raise FloatingPointError(f"{what}; the update was not applied")
 
-    def _reduce_metrics(self, outputs: list[dict], dp_group, global_count: float) -> dict[str, float]:
-        """Mean over all micro-batches of all DP ranks (computed on the last stage)."""
+    def _step_shares(self, micro_batches: list[MicroBatch], dp_group) -> dict[int, dict[str, float]]:
+        """`step_shares` of this rank's micro-batches (by id) in the step of all DP ranks."""
+        masks = [mb.mask for mb in micro_batches]
+        totals = torch.tensor(_mask_counts(masks), dtype=torch.float64, device=self._device)
+        dist.all_reduce(totals, group=dp_group)
+        return {id(mb): share for mb, share in zip(micro_batches, step_shares(masks, totals.cpu().tolist()))}
+
+    def _reduce_metrics(self, outputs: list[dict], dp_group) -> dict[str, float]:
+        """Sum over all micro-batches of all DP ranks of the (already share-weighted) reports, computed on the
+        last stage."""
         result: Optional[dict[str, float]] = None
         if self.layout.is_last_stage:
             keys = sorted(outputs[0])
-            sums = torch.stack([sum(out[k].float() for out in outputs) for k in keys]).to(self._device)
+            sums = torch.stack([sum(out[k].double() for out in outputs) for k in keys]).to(self._device)
             dist.all_reduce(sums, group=dp_group)
-            result = {k: float(v) / global_count for k, v in zip(keys, sums.cpu())}
+            result = {k: float(v) for k, v in zip(keys, sums.cpu())}
         return self._broadcast_from_last_stage(result)
 
     # ------------------------------------------------------------------ #
