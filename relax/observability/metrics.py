@@ -1,13 +1,32 @@
-"""Per-step metrics: one JSON object per rollout step in metrics.jsonl, stdout, and TensorBoard."""
+"""Per-step metrics: one JSON object per rollout step in metrics.jsonl, stdout, and TensorBoard.
+
+`CollapseMonitor` reads each step's metrics and warns (logger `relax.collapse`: console and logs/relax.log),
+naming the step, when training has lost its signal:
+
+* every group has zero reward variance: `rollout/zero_std_group_fraction` == 1 when the rollout reports it
+  (`relax.rollout.step_logs.group_variance_metrics`), else `rollout/reward_std` == 0 with groups of more
+  than one sample (every sample scored the same, so every group did). GRPO-style advantages are then all 0
+  and only the KL term moves the policy; on the embedded default this was the signature of a collapse onto
+  the bare stop token (reward exactly 0 for 25 steps).
+* `train/entropy` (nats per response token) below `ENTROPY_FLOOR`: the policy answers (nearly)
+  deterministically, so groups stop differing. A solved task can legitimately get there; the warning says so.
+
+A warning is given on the first step of such a streak and every `repeat_every` steps while it lasts; its end
+is logged too.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
 from pathlib import Path
 from typing import Any, Mapping
+
+collapse_log = logging.getLogger("relax.collapse")
+ENTROPY_FLOOR = 0.05  # nats per token; the collapsed embedded default sat at 0.04, learning runs above 0.1
 
 _STDOUT_KEYS = ("rollout/reward_mean", "rollout/response_len_mean", "train/loss", "train/grad_norm",
                 "train/entropy", "perf/step_time", "perf/tokens_per_s")
@@ -21,6 +40,7 @@ class MetricsWriter:
         self._file = self.path.open("a", encoding="utf-8")
         self._stream = stream
         self._tb = None
+        self.monitor = CollapseMonitor()
         if tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -36,6 +56,7 @@ class MetricsWriter:
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         record = {"step": step, **{k: _plain(v) for k, v in sorted(metrics.items())}}
+        self.monitor.check(step, record)
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._tb is not None:
@@ -50,6 +71,57 @@ class MetricsWriter:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+class CollapseMonitor:
+    """Warns about steps without a learning signal (see the module docstring); `check` returns the messages."""
+
+    def __init__(self, entropy_floor: float = ENTROPY_FLOOR, repeat_every: int = 10, log=collapse_log):
+        self.entropy_floor = entropy_floor
+        self.repeat_every = repeat_every
+        self.log = log
+        self._streaks: dict[str, int] = {}  # condition -> first step of the running streak
+
+    @staticmethod
+    def all_groups_zero_variance(metrics: Mapping[str, Any]) -> bool:
+        frac = metrics.get("rollout/zero_std_group_fraction")
+        if isinstance(frac, (int, float)):
+            return frac >= 1.0
+        std, n, groups = (metrics.get(k) for k in ("rollout/reward_std", "rollout/num_samples",
+                                                   "rollout/num_groups"))
+        if not isinstance(std, (int, float)):
+            return False
+        if isinstance(n, (int, float)) and isinstance(groups, (int, float)) and n <= groups:
+            return False  # one sample per prompt: every group trivially has zero variance
+        return std == 0.0
+
+    def check(self, step: int, metrics: Mapping[str, Any]) -> list[str]:
+        reward = metrics.get("rollout/reward_mean")
+        reward_txt = f"{reward:.3f}" if isinstance(reward, (int, float)) else "n/a"
+        entropy = metrics.get("train/entropy")
+        found: dict[str, str] = {}
+        if self.all_groups_zero_variance(metrics):
+            found["zero_variance"] = (
+                f"every group has zero reward variance (reward mean {reward_txt}): all advantages are 0, so no "
+                "policy gradient this step" + ("; the policy may have collapsed" if reward != 1.0 else
+                                                 " (every answer is rewarded: the task is solved)"))
+        if isinstance(entropy, (int, float)) and math.isfinite(entropy) and entropy < self.entropy_floor:
+            found["low_entropy"] = (
+                f"train/entropy {entropy:.4f} is below the floor {self.entropy_floor} (reward mean {reward_txt}): "
+                "the policy answers almost deterministically; unless the task is solved it has collapsed")
+        messages = []
+        for cond in list(self._streaks):
+            if cond not in found:
+                start = self._streaks.pop(cond)
+                self.log.info("step %d: %s streak that began at step %d ended", step, cond.replace("_", " "), start)
+        for cond, text in found.items():
+            start = self._streaks.setdefault(cond, step)
+            if (step - start) % self.repeat_every == 0:
+                lasting = f" (since step {start})" if step != start else ""
+                msg = f"step {step}: {text}{lasting}"
+                self.log.warning(msg)
+                messages.append(msg)
+        return messages
 
 
 def _plain(value: Any) -> Any:

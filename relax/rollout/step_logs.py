@@ -14,6 +14,9 @@ All functions are pure (samples in, metrics out) except `write_correct_samples`,
   `raw_reward[KEY]` of its dict-valued reward (`Sample.raw_reward`); per category the count, the
   fraction of samples and the mean reward. Samples whose reward is not a dict with KEY count under
   `reward_category/_missing/count`.
+* `group_variance_metrics` (`rollout/zero_std_...`): the number and fraction of prompt groups whose rewards
+  are all equal (they get GRPO advantage 0); `relax.observability.metrics.CollapseMonitor` warns when the
+  fraction is 1. Always part of `step_log_metrics`.
 """
 
 from __future__ import annotations
@@ -130,9 +133,21 @@ def reward_category_metrics(samples: Sequence[Any], key: str, prefix: str = "rew
     return out
 
 
+def group_variance_metrics(samples: Sequence[Any], prefix: str = "rollout/") -> dict[str, float]:
+    """Groups (by `group_index`) of more than one sample whose rewards are all equal: count and fraction."""
+    groups: dict[Any, list[float]] = {}
+    for s in samples:
+        groups.setdefault(s.group_index, []).append(float(s.reward))
+    multi = [g for g in groups.values() if len(g) > 1]
+    if not multi:
+        return {}
+    zero = sum(1 for g in multi if max(g) == min(g))
+    return {f"{prefix}zero_std_groups": float(zero), f"{prefix}zero_std_group_fraction": zero / len(multi)}
+
+
 def step_log_metrics(config: Any, step: int, samples: Sequence[Any]) -> dict[str, float]:
     """The metrics of the enabled --log-* flags for one rollout step (writes correct samples when asked)."""
-    out: dict[str, float] = {}
+    out: dict[str, float] = group_variance_metrics(samples)
     if getattr(config, "log_multi_turn", False):
         out.update(multi_turn_metrics(samples))
     if getattr(config, "log_correct_samples", False):
