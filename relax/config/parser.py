@@ -15,6 +15,7 @@ from relax.config.config import Config
 from relax.config.errors import ConfigError
 from relax.config.files import load_config_files, resolve_interpolations
 from relax.config.flags import add_relax_flags
+from relax.config.help_text import EPILOG, RelaxHelpFormatter, describe_flags
 from relax.config.megatron import add_megatron_flags
 from relax.config.sglang import add_router_flags, add_sglang_flags, take_passthrough
 from relax.config.validate import restated_derivations, validate_and_derive
@@ -46,6 +47,8 @@ def build_parser(use_megatron_parser: bool | None = None,
         description="Relax: distributed RL post-training of LLMs on Ray (Megatron-core trainers, "
                     "SGLang-API rollout engines, TransferQueue data plane).",
         allow_abbrev=False,
+        formatter_class=RelaxHelpFormatter,
+        epilog=EPILOG,
     )
     add_relax_flags(parser)
     relax_dests = {a.dest for a in parser._actions}
@@ -57,6 +60,7 @@ def build_parser(use_megatron_parser: bool | None = None,
     parser.set_defaults()  # keep overrides applied
     parser._relax_dests = frozenset(relax_dests - {"help"})  # type: ignore[attr-defined]
     parser._megatron_dests = frozenset(megatron_dests)  # type: ignore[attr-defined]
+    describe_flags(parser, parser._megatron_dests)  # type: ignore[attr-defined]
     return parser, sources
 
 

@@ -46,6 +46,16 @@ EMBEDDED_PRESET: dict[str, Any] = {
     "distributed_backend": "gloo",
 }
 
+# How `--help` states a preset value that apply_embedded_default adjusts, or sets outside the table above.
+PRESET_NOTES: dict[str, str] = {
+    "hf_checkpoint": "a tiny model built in <output-dir>/embedded/model",
+    "prompt_data": "a synthetic task written to <output-dir>/embedded/train.jsonl",
+    "micro_batch_size": f"{EMBEDDED_PRESET['micro_batch_size']}, or the largest divisor of the samples per "
+                        "optimizer step below it",
+    "num_steps_per_rollout": f"{EMBEDDED_PRESET['num_steps_per_rollout']}, unless --global-batch-size is set "
+                             "or it does not divide the samples per rollout",
+}
+
 
 def is_embedded_default(values: dict[str, Any], explicit: frozenset[str]) -> bool:
     """No model and no prompt data given (and not a train-only debug run).

@@ -275,14 +275,39 @@ def import_hook(path: str, flag_name: str = "hook") -> Callable:
     return getattr(module, attr)
 
 
-# Dests that derive() may fill in from other flags.
-DERIVED = frozenset({
-    "eps_clip_high", "critic_lr", "critic_load", "offload", "offload_train", "offload_rollout",
-    "debug_train_only", "use_routing_replay", "over_sampling_batch_size", "log_probs_max_tokens_per_gpu",
-    "eval_input_key", "eval_label_key", "eval_tool_key", "eval_reward_key", "eval_temperature", "eval_top_p",
-    "eval_top_k", "eval_max_response_len", "eval_max_prompt_len", "eval_max_context_len", "resource", "save",
-    "num_rollout", "global_batch_size", "lr_decay_iters", "save_debug_rollout_data", "save_debug_train_data",
-})
+# Dests that derive() may fill in from other flags, each with what it becomes when left unset. The
+# words are what `relax-train --help` shows as the flag's default (relax.config.help_text); a test
+# checks every derived value the parser produces is listed here.
+DERIVED_FROM: dict[str, str] = {
+    "eps_clip_high": "--eps-clip",
+    "critic_lr": "--lr",
+    "critic_load": "--load",
+    "offload": "on with --colocate, else off",
+    "offload_train": "on with --offload, else off",
+    "offload_rollout": "on with --offload, else off",
+    "debug_train_only": "on with --load-debug-rollout-data, else off",
+    "use_routing_replay": "on with --use-rollout-routing-replay, else off",
+    "over_sampling_batch_size": "--rollout-batch-size",
+    "log_probs_max_tokens_per_gpu": "--max-tokens-per-gpu",
+    "eval_input_key": "--input-key",
+    "eval_label_key": "--label-key",
+    "eval_tool_key": "--tool-key",
+    "eval_reward_key": "--reward-key",
+    "eval_temperature": "--rollout-temperature",
+    "eval_top_p": "--rollout-top-p",
+    "eval_top_k": "--rollout-top-k",
+    "eval_max_response_len": "--rollout-max-response-len",
+    "eval_max_prompt_len": "--rollout-max-prompt-len",
+    "eval_max_context_len": "--rollout-max-context-len",
+    "resource": '{"actor": [1, 1], "rollout": [1, 1]}',
+    "save": "<output-dir>/checkpoints when --save-interval is set",
+    "num_rollout": "--num-epoch x prompts / --rollout-batch-size, when --num-epoch is set",
+    "global_batch_size": "samples per rollout / --num-steps-per-rollout (samples per rollout without it)",
+    "lr_decay_iters": "--num-rollout x optimizer steps per rollout (the whole run)",
+    "save_debug_rollout_data": "<--dump-details>/rollout_data/{rollout_id}.jsonl with --dump-details",
+    "save_debug_train_data": "<--dump-details>/train_data/{rollout_id}_{rank}.pt with --dump-details",
+}
+DERIVED = frozenset(DERIVED_FROM)
 
 RULES = (check_ranges, check_sampling, check_algorithm, check_batching, check_checkpointing, check_modes,
          check_data, check_resource, check_sglang, check_hooks)

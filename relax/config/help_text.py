@@ -1,0 +1,142 @@
+"""What `relax-train --help` says about each flag: what it does, whether it is built, its real default.
+
+Nothing here holds a default value. The default shown is read, when help is printed, from where the
+run takes it: the parser's default after Relax's overrides (`relax.config.megatron.RELAX_DEFAULT_OVERRIDES`
+applied with `set_defaults`), the embedded default's preset (`relax.config.presets.EMBEDDED_PRESET`) and the
+derivation rules (`relax.config.validate.DERIVED_FROM`). Whether a flag is built comes from
+`relax.config.support`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import json
+from typing import Any
+
+# What each Megatron flag that Relax honours controls, in Relax's terms (the flags in
+# relax.config.support.IMPLEMENTED that come from Megatron's parser; a test keeps the two in step).
+MEGATRON_HELP: dict[str, str] = {
+    "adam_beta1": "Adam's first-moment decay rate (beta1) of the trainer's optimizer.",
+    "adam_beta2": "Adam's second-moment decay rate (beta2) of the trainer's optimizer.",
+    "adam_eps": "Adam's epsilon, added to the denominator for numerical stability.",
+    "async_save": "Write checkpoints in the background while training goes on (needed by --rotate-ckpt).",
+    "bf16": "Train in bfloat16 mixed precision (the optimizer keeps fp32 master weights).",
+    "calculate_per_token_loss": "Normalise the loss by the step's response tokens (every token weighs the same) "
+                                "instead of averaging per sample.",
+    "clip_grad": "Clip the global gradient norm to this value before each optimizer step.",
+    "distributed_backend": "torch.distributed backend between trainer workers (nccl on GPUs, gloo on CPU).",
+    "distributed_timeout_minutes": "Timeout of the trainer workers' collective operations, in minutes.",
+    "fp16": "Train in float16 mixed precision with dynamic loss scaling.",
+    "global_batch_size": "Samples per optimizer step, summed over all data-parallel workers.",
+    "load": "Checkpoint directory to resume the actor from (its latest checkpoint).",
+    "lr": "Peak learning rate of the actor's optimizer (also the critic's unless --critic-lr is set).",
+    "lr_decay_iters": "Optimizer steps over which the learning rate decays from --lr to --min-lr.",
+    "lr_decay_style": "Shape of the learning-rate decay after the warm-up.",
+    "lr_warmup_iters": "Optimizer steps of linear learning-rate warm-up up to --lr.",
+    "micro_batch_size": "Samples per forward/backward pass on one worker; gradients accumulate over micro-batches "
+                        "up to --global-batch-size.",
+    "min_lr": "Learning rate at the end of the decay.",
+    "no_load_optim": "On resume, load the weights only; the optimizer state starts afresh.",
+    "no_save_optim": "Leave the optimizer state out of checkpoints (smaller; a resume restarts the optimizer).",
+    "pipeline_model_parallel_size": "Number of pipeline stages the model's layers are split across.",
+    "save": "Directory where the actor's checkpoints are written.",
+    "save_interval": "Save a checkpoint every this many rollout steps (and after the last one).",
+    "seed": "Seed of the trainer: weight initialisation and dropout (prompt order and sampling use --rollout-seed).",
+    "tensor_model_parallel_size": "Number of workers each layer's weight matrices are split across.",
+    "use_distributed_optimizer": "Shard the optimizer state across data-parallel workers.",
+    "weight_decay": "Decoupled weight-decay coefficient of the optimizer.",
+}
+
+NOT_SUPPORTED = "Not supported yet."
+MEGATRON_NOT_SUPPORTED = "Megatron-LM flag. " + NOT_SUPPORTED
+# Said once, at the end of --help, instead of after every such flag.
+EPILOG = ('Flags marked "Not supported yet" are accepted, but a real run stops before starting when one is set '
+          "to anything other than its default; `relax-train --dry-run` lists them.")
+
+
+def describe_flags(parser: argparse.ArgumentParser, megatron_dests: frozenset[str]) -> None:
+    """Give every flag its description and support status (once, when the parser is built)."""
+    from relax.config.support import IMPLEMENTED, SUPPORTED_VALUES, is_sglang_server_flag
+
+    for action in parser._actions:
+        dest = action.dest
+        if not action.option_strings or dest == "help":
+            continue
+        if dest in megatron_dests:
+            if dest in IMPLEMENTED:
+                action.help = MEGATRON_HELP.get(dest) or _megatron_text(action.help)
+            else:
+                own = _megatron_text(action.help)
+                action.help = f"{own} {NOT_SUPPORTED}" if own else MEGATRON_NOT_SUPPORTED
+        elif is_sglang_server_flag(dest):
+            continue  # forwarded to SGLang servers, honoured with SGLang engines (relax.config.support)
+        elif dest not in IMPLEMENTED:
+            action.help = f"{(action.help or '').rstrip()} {NOT_SUPPORTED}".strip()
+        if dest in SUPPORTED_VALUES and action.choices is not None:
+            built = sorted(str(v) for v in SUPPORTED_VALUES[dest])
+            if set(built) != {str(c) for c in action.choices}:
+                action.help = f"{(action.help or '').rstrip()} Built so far: {', '.join(built)}."
+
+
+def _megatron_text(text: str | None) -> str:
+    """Megatron's own help, when its parser supplied one (the mirror carries none)."""
+    return "" if not text or text.startswith("Megatron-LM flag") else text.strip()
+
+
+def default_text(action: argparse.Action) -> str:
+    """The flag's effective default in words: parser default, derivation and embedded-default preset."""
+    from relax.config.presets import EMBEDDED_PRESET, PRESET_NOTES
+    from relax.config.support import same_value
+    from relax.config.validate import DERIVED_FROM
+
+    dest, value = action.dest, action.default
+    if dest in DERIVED_FROM and value is None:
+        text = f"default: {DERIVED_FROM[dest]}"
+    else:
+        text = f"default: {format_value(value, action)}"
+        if dest in DERIVED_FROM:
+            text += f"; {DERIVED_FROM[dest]}"
+    if dest in PRESET_NOTES:
+        text += f"; the embedded default run uses {PRESET_NOTES[dest]}"
+    elif dest in EMBEDDED_PRESET and not same_value(EMBEDDED_PRESET[dest], value):
+        preset = format_value(EMBEDDED_PRESET[dest], action)
+        if not (value is None and DERIVED_FROM.get(dest) == preset):
+            text += f"; the embedded default run uses {preset}"
+    return text
+
+
+def format_value(value: Any, action: argparse.Action) -> str:
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)):
+        on = not value if isinstance(action, argparse._StoreFalseAction) else bool(value)
+        return "on" if on else "off"
+    if value is None:
+        return "unset"
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, (list, tuple)):
+        return " ".join(format_value(v, argparse.Action([], "x")) for v in value) if value else "empty"
+    if isinstance(value, dict):
+        return json.dumps(value)
+    if value == "":
+        return '""'
+    return str(value)
+
+
+def _states_derivation(action: argparse.Action, text: str) -> bool:
+    """The help already says which flag an unset value follows ("default: --max-tokens-per-gpu")."""
+    from relax.config.validate import DERIVED_FROM
+
+    derived = DERIVED_FROM.get(action.dest)
+    return action.default is None and derived is not None and derived.startswith("--") and derived in text
+
+
+class RelaxHelpFormatter(argparse.HelpFormatter):
+    """Appends each flag's effective default (see `default_text`) to its help."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or action.dest == "help" or action.default is argparse.SUPPRESS
+                or "%(default)" in text or _states_derivation(action, text)):
+            return text
+        return f"{text.rstrip()} ({default_text(action).replace('%', '%%')})".lstrip()
