@@ -12,7 +12,9 @@ setup(
         # torch is installed first as torch==2.13.0 (see scripts/setup.sh); the range admits it.
         "torch>=2.6,<2.14",
         "ray>=2.40",
-        "megatron-core>=0.13",
+        # One Megatron: the release relax/config/megatron_table.py describes (INSTALLED_MEGATRON_CORE); 0.17+
+        # need Python >= 3.12. A test checks the mirror against this version.
+        "megatron-core==0.16.1",
         "transformers>=4.51",
         "tokenizers",
         "transferqueue>=0.1.11",

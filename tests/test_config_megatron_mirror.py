@@ -59,6 +59,64 @@ def test_mirror_matches_megatron_parser(megatron_path):
     assert not problems, "\n".join(problems[:20])
 
 
+DUMP_GROUPS = r"""
+import argparse, json, sys, warnings
+warnings.simplefilter("ignore")
+import megatron.training.arguments as margs
+p = argparse.ArgumentParser(allow_abbrev=False)
+margs.add_megatron_arguments(p)
+json.dump([[g.title, list(a.option_strings)] for g in p._action_groups for a in g._group_actions
+           if a.option_strings and a.dest != "help"], sys.stdout)
+"""
+
+
+def test_mirror_is_exactly_what_the_installed_megatron_knows(megatron_path):
+    """One Megatron version: setup.py pins the megatron-core that is installed, and a Megatron flag is
+    accepted exactly when that megatron-core has the setting behind it.
+
+    The table holds every flag of the mirrored groups of the parser it was generated from, no more and no
+    less; of those, the mirror leaves out exactly the flags whose config field (a dataclass field of
+    megatron.core in the parser's release) the installed megatron.core lacks.
+    """
+    import importlib.metadata
+    import importlib.util
+    from pathlib import Path
+
+    from relax.config.megatron_mirror import MEGATRON_VERSION, ROWS
+    from relax.config.megatron_table import (ABSENT_FROM_INSTALLED, INSTALLED_MEGATRON_CORE, MIRRORED_EXTRA_FLAGS,
+                                             MIRRORED_GROUPS, dataclass_fields)
+    from relax.config.parser import build_parser
+
+    assert importlib.metadata.version("megatron-core") == INSTALLED_MEGATRON_CORE
+    assert f'"megatron-core=={INSTALLED_MEGATRON_CORE}"' in (ROOT / "setup.py").read_text()
+    assert megatron_path.endswith(MEGATRON_VERSION)  # the parser the table was generated from
+
+    proc = subprocess.run([sys.executable, "-c", DUMP_GROUPS], capture_output=True, text=True, timeout=300,
+                          env=_env(megatron_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    wanted = {tuple(opts) for title, opts in json.loads(proc.stdout)
+              if title in MIRRORED_GROUPS or any(o in MIRRORED_EXTRA_FLAGS for o in opts)}
+    assert {tuple(row[1]) for row in ROWS} == wanted
+
+    installed_core = importlib.util.find_spec("megatron.core").submodule_search_locations[0]
+    installed, parsers = dataclass_fields(installed_core), dataclass_fields(Path(megatron_path) / "megatron" / "core")
+    absent = {row[1][0] for row in ROWS if row[2] in parsers and row[2] not in installed}
+    assert absent == set(ABSENT_FROM_INSTALLED)
+
+    parser, _ = build_parser(use_megatron_parser=False)
+    options = set(parser._option_string_actions)
+    assert not options & ABSENT_FROM_INSTALLED
+    assert all(row[1][0] in options for row in ROWS if row[1][0] not in ABSENT_FROM_INSTALLED)
+
+
+def test_lazy_mpu_init_takes_both_forms():
+    from relax.config import parse_config
+
+    for argv, value in ([], False), (["--lazy-mpu-init"], True), (["--lazy-mpu-init", "True"], True):
+        assert parse_config(argv + ["--output-dir", "/tmp/relax-mirror"], use_megatron_parser=False).lazy_mpu_init \
+            is value
+
+
 def test_mirror_parser_behaves_like_megatron(megatron_path):
     """Parsing a Qwen3-MoE flag set through both parsers gives the same values."""
     argv = ["--num-layers", "48", "--hidden-size", "2048", "--moe-layer-freq", "([1]*47+[0])",

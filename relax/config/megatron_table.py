@@ -4,6 +4,14 @@ Megatron-LM's parser is used directly when `megatron.training.arguments` is impo
 not (megatron-core 0.16 wheels on Python 3.11 ship only `megatron.core`), Relax re-creates the
 mirrored groups from the generated table in `megatron_mirror.py`. Both paths produce the same
 flag names, dests, defaults and value types; a test compares them.
+
+One Megatron version. setup.py pins megatron-core to INSTALLED_MEGATRON_CORE: the newest release that
+installs on Python 3.10/3.11 (0.17 and later require Python >= 3.12). That release ships no argument
+parser (its wheel and sdist hold `megatron.core` only), so the table is generated from the nearest
+parser PyPI offers, Megatron-LM 0.17.0's (`megatron_mirror.MEGATRON_VERSION`), and the flags whose
+setting the installed megatron-core lacks are left out (ABSENT_FROM_INSTALLED): a flag is accepted
+exactly when the installed Megatron has the setting behind it. tests/test_config_megatron_mirror.py
+recomputes that list from the two packages' config dataclasses.
 """
 
 from __future__ import annotations
@@ -49,6 +57,42 @@ MIRRORED_EXTRA_FLAGS = frozenset(
         "--no-create-attention-mask-in-dataloader",
     }
 )
+
+INSTALLED_MEGATRON_CORE = "0.16.1"
+
+# Flags of the 0.17.0 parser whose megatron-core setting (a config dataclass field in 0.17.0) megatron-core
+# 0.16.1 does not have. Not mirrored: the installed Megatron cannot do what they ask.
+ABSENT_FROM_INSTALLED = frozenset({
+    "--cpu-offloading-retain-pinned-cpu-buffers", "--mtp-use-repeated-layer", "--mtp-hybrid-override-pattern",
+    "--use-mup", "--mup-width-mult", "--mup-base-hidden-size", "--mup-embedding-mult", "--mup-output-mult",
+    "--mup-base-head-dim", "--mup-attn-scale-power", "--fused-residual-rmsnorm", "--moe-router-force-biased",
+    "--inference-disable-triton-nvls-kernels", "--inference-grouped-gemm-backend",
+    "--inference-moe-disable-fused-quant-kernels", "--muon-coefficient-type", "--muon-scalar-optimizer",
+    "--lion-beta1", "--lion-beta2", "--optimizer-cuda-graph", "--mla-down-proj-fusion",
+    "--megatron-fsdp-main-params-dtype", "--megatron-fsdp-main-grads-dtype", "--megatron-fsdp-grad-comm-dtype",
+})
+
+# Flags whose form changed between the two versions: the mirror accepts both. Megatron-LM 0.16 took
+# `--lazy-mpu-init True` (type=bool); 0.17 has a plain switch.
+BOTH_FORMS = frozenset({"--lazy-mpu-init"})
+
+
+def dataclass_fields(package_dir) -> set[str]:
+    """Names of every dataclass field under `package_dir` (read from source; nothing is imported)."""
+    from pathlib import Path
+
+    names: set[str] = set()
+    for path in Path(package_dir).rglob("*.py"):
+        try:
+            tree = ast.parse(path.read_text(errors="ignore"))
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and any("dataclass" in ast.unparse(d) for d in node.decorator_list):
+                names |= {s.target.id for s in node.body
+                          if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+    return names
+
 
 # Type names used in the table for Megatron's special argument types.
 _PATTERN_TYPES = {"moe_freq_type", "no_rope_freq_type", "la_freq_type"}
@@ -177,13 +221,16 @@ def add_rows(parser: argparse.ArgumentParser, rows, skip_options: set[str]) -> l
     groups: dict[str, argparse._ArgumentGroup] = {}
     added = []
     for group_title, opts, dest, kind, type_name, default, nargs, const, choices in rows:
-        if any(o in skip_options for o in opts):
+        if any(o in skip_options or o in ABSENT_FROM_INSTALLED for o in opts):
             continue
+        if opts[0] in BOTH_FORMS and kind == "store_true":  # `--flag` or `--flag true/false`
+            kind, type_name, nargs, const = "store", "bool", "?", True
         group = groups.get(group_title)
         if group is None:
             group = groups[group_title] = parser.add_argument_group(f"Megatron: {group_title}")
-        help_text = f"Megatron-LM flag (mirrored); default: {default!r}."
-        kwargs: dict[str, Any] = {"dest": dest, "default": default, "help": help_text}
+        # The help is written by relax.config.help_text once the parser is complete: what the flag does
+        # (or that it is not built yet) and its effective default, which Relax may override.
+        kwargs: dict[str, Any] = {"dest": dest, "default": default, "help": None}
         if kind == "store_true":
             kwargs["action"] = "store_true"
         elif kind == "store_false":
@@ -198,6 +245,8 @@ def add_rows(parser: argparse.ArgumentParser, rows, skip_options: set[str]) -> l
             kwargs["type"] = _TYPES.get(type_name, str)
             if nargs is not None:
                 kwargs["nargs"] = nargs
+            if nargs == "?":
+                kwargs["const"] = const
             if choices is not None:
                 kwargs["choices"] = choices
         group.add_argument(*opts, **kwargs)
