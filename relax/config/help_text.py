@@ -87,10 +87,12 @@ def _megatron_text(text: str | None) -> str:
 def default_text(action: argparse.Action) -> str:
     """The flag's effective default in words: parser default, derivation and embedded-default preset."""
     from relax.config.presets import EMBEDDED_PRESET, PRESET_NOTES
-    from relax.config.support import same_value
+    from relax.config.support import is_sglang_server_flag, same_value
     from relax.config.validate import DERIVED_FROM
 
     dest, value = action.dest, action.default
+    if value is None and is_sglang_server_flag(dest):
+        return "default: unset, so SGLang's own default"
     if dest in DERIVED_FROM and value is None:
         text = f"default: {DERIVED_FROM[dest]}"
     else:
@@ -115,7 +117,7 @@ def format_value(value: Any, action: argparse.Action) -> str:
     if isinstance(value, enum.Enum):
         return value.name
     if isinstance(value, (list, tuple)):
-        return " ".join(format_value(v, argparse.Action([], "x")) for v in value) if value else "empty"
+        return " ".join(_item(v) for v in value) if value else "empty"
     if isinstance(value, dict):
         return json.dumps(value)
     if value == "":
@@ -129,6 +131,10 @@ def _states_derivation(action: argparse.Action, text: str) -> bool:
 
     derived = DERIVED_FROM.get(action.dest)
     return action.default is None and derived is not None and derived.startswith("--") and derived in text
+
+
+def _item(value: Any) -> str:
+    return value.name if isinstance(value, enum.Enum) else json.dumps(value) if isinstance(value, dict) else str(value)
 
 
 class RelaxHelpFormatter(argparse.HelpFormatter):
