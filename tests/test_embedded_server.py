@@ -200,8 +200,8 @@ def test_info_endpoints(server, client, model_dir):
     assert isinstance(load, list) and {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"} <= set(load[0])
     assert client.get_weight_version() == "default"
     client.flush_cache()
-    assert requests.post(server.url + "/begin_weight_update", json={}, timeout=T).json()["success"]
-    assert requests.post(server.url + "/end_weight_update", json={}, timeout=T).json()["success"]
+    assert client.session.post(server.url + "/begin_weight_update", json={}, timeout=T).json()["success"]
+    assert client.session.post(server.url + "/end_weight_update", json={}, timeout=T).json()["success"]
 
 
 def test_bad_requests_are_400(server):

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Sequence
 import requests
 import torch
 
+from relax.backends.auth import auth_headers
 from relax.weights.serialize import SharedBufferPool, iter_buckets, payload_entries, serialize_named_tensors
 
 logger = logging.getLogger(__name__)
@@ -34,12 +35,17 @@ class EngineRequestError(RuntimeError):
 
 
 class EngineClient:
-    def __init__(self, base_url: str, timeout_s: float = 600.0, *, session: requests.Session | None = None):
+    """`api_key`: what control calls present (`relax.backends.auth`); default the run's key from the
+    environment."""
+
+    def __init__(self, base_url: str, timeout_s: float = 600.0, *, session: requests.Session | None = None,
+                 api_key: str | None = None):
         if not base_url.startswith(("http://", "https://")):
             base_url = "http://" + base_url
         self.base_url = base_url.rstrip("/")
         self.timeout_s = float(timeout_s)
         self.session = session or requests.Session()
+        self.session.headers.update(auth_headers(api_key))
         self._has_begin_end: bool | None = None
         self._tp_size: int | None = None
         self.buffer_pool = SharedBufferPool()

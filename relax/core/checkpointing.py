@@ -193,14 +193,13 @@ def _worker_save_status(worker: Any) -> str:
 
 def _worker_load_weights_only(worker: Any, actor_dir: str) -> int:
     """--no-load-optim: model weights and RNG of a checkpoint; the optimizer and scheduler start fresh."""
-    import torch
     import torch.distributed as dist
 
-    from relax.backends.megatron.checkpoint import set_rng_state
+    from relax.backends.megatron.checkpoint import load_state_file, set_rng_state
 
     trainer = worker.trainer
     trainer.load_weights(actor_dir)
-    state = torch.load(Path(actor_dir) / f"rank{dist.get_rank():05d}.pt", map_location="cpu", weights_only=False)
+    state = load_state_file(Path(actor_dir) / f"rank{dist.get_rank():05d}.pt")
     set_rng_state(state["rng"])
     trainer.iteration = int(json.loads((Path(actor_dir) / "meta.json").read_text())["iteration"])
     return trainer.iteration

@@ -16,6 +16,7 @@ from typing import Any
 
 import ray
 
+from relax.backends.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
 from relax.config.config import Config
 
 logger = logging.getLogger("relax")
@@ -46,9 +47,11 @@ class Controller:
 
         c = self.config
         actor_world = c.resource["actor"][0] * c.resource["actor"][1]
+        # One secret per run guards every engine's control endpoints; roles receive it in their environment.
+        engine_key = {ENGINE_API_KEY_ENV: ensure_engine_api_key()}
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
-            env = worker_env()
+            env = {**worker_env(), **engine_key}
             if address:
                 ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
             else:
@@ -72,7 +75,7 @@ class Controller:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         threads = max(1, (os.cpu_count() or 2) // max(1, actor_world))
-        train_env = {"env_vars": worker_env(c.train_env_vars, training_role=True)}
+        train_env = {"env_vars": {**worker_env(c.train_env_vars, training_role=True), **engine_key}}
         from relax.core.placement import trainer_gpus
 
         self.workers = [
@@ -87,7 +90,7 @@ class Controller:
         infos = ray.get([w.setup.remote(master_addr, master_port, backend) for w in self.workers])
         logger.info("trainer: %d rank(s), data-parallel %d, %d parameters", actor_world, infos[0]["dp"],
                     infos[0]["params"])
-        self.rollout = RolloutManager.options(num_cpus=1).remote(c)
+        self.rollout = RolloutManager.options(num_cpus=1, runtime_env={"env_vars": engine_key}).remote(c)
         if not c.debug_train_only:  # train-only debugging replays saved rollouts: no engines
             self.engine_urls = ray.get(self.rollout.start_engines.remote(pg_rollout))
             logger.info("rollout: %d engine(s) behind %s", len(self.engine_urls),

@@ -23,6 +23,16 @@ def resolve_backend(requested: str) -> str:
     return "sglang" if has_gpu and sglang_available() else "embedded"
 
 
+def engine_bind_host() -> str:
+    """Where an engine listens: loopback while the whole Ray cluster is this one node (nothing else needs
+    to reach it), the node's address only when roles span nodes. Either way its control endpoints need
+    the run's key (relax.backends.auth)."""
+    if not ray.is_initialized():
+        return "127.0.0.1"
+    alive = [node for node in ray.nodes() if node.get("Alive")]
+    return ray.util.get_node_ip_address() if len(alive) > 1 else "127.0.0.1"
+
+
 @ray.remote
 class EngineActor:
     """Starts an engine server in a child process and reports its URL; stops it on `shutdown`."""
@@ -37,12 +47,12 @@ class EngineActor:
         self.process = None
 
     def start(self, timeout_s: float = 300.0) -> str:
-        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        host = engine_bind_host()
         if self.backend == "embedded":
             from relax.backends.embedded.launcher import EmbeddedServerProcess
 
-            self.process = EmbeddedServerProcess(self.model_path, host="127.0.0.1" if host.startswith("127.") else host,
-                                                 server_args=self.server_args, log_path=self.log_path)
+            self.process = EmbeddedServerProcess(self.model_path, host=host, server_args=self.server_args,
+                                                 log_path=self.log_path)
         else:
             from relax.backends.sglang.server import SGLangServerProcess
 

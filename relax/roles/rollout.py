@@ -20,6 +20,8 @@ from typing import Any
 
 import ray
 
+from relax.backends.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
+
 logger = logging.getLogger(__name__)
 
 
@@ -113,7 +115,9 @@ class RolloutManager:
             gpus = c.resource["rollout"][0] * c.resource["rollout"][1]
             num_engines = max(1, gpus // c.rollout_num_gpus_per_engine)
             args = engine_server_args(c, backend)
-            options: dict[str, Any] = {"num_cpus": 1}
+            # The run's engine key, handed on explicitly: a Ray started elsewhere carries no job environment.
+            options: dict[str, Any] = {"num_cpus": 1,
+                                       "runtime_env": {"env_vars": {ENGINE_API_KEY_ENV: ensure_engine_api_key()}}}
             for i in range(num_engines):
                 if placement_group is not None:
                     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -12,6 +12,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
+from relax.backends.auth import auth_headers
 from relax.data.sample import Sample
 
 
@@ -81,7 +82,7 @@ class RolloutContext:
 
         async def one(url: str) -> None:
             try:
-                async with self.session.post(url + "/abort_request", json={"rid": list(rids)},
+                async with self.session.post(url + "/abort_request", json={"rid": list(rids)}, headers=auth_headers(),
                                              timeout=aiohttp.ClientTimeout(total=30)) as resp:
                     await resp.read()
             except (aiohttp.ClientError, asyncio.TimeoutError):

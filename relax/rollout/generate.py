@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 import aiohttp
 
+from relax.backends.auth import auth_headers
 from relax.data.sample import STATUS_ABORTED, STATUS_COMPLETED, STATUS_TRUNCATED, Sample
 
 logger = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ async def call_engine(session: aiohttp.ClientSession, url: str, input_ids: Seque
         attempt += 1
         status = None
         try:
-            async with session.post(url + "/generate", json=payload,
+            async with session.post(url + "/generate", json=payload, headers=auth_headers(),
                                     timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 body = await resp.json(content_type=None)
                 if resp.status != 200:

@@ -20,13 +20,15 @@ Wire format (what real SGLang and the embedded engine both accept):
 Chunking: `iter_buckets(named_tensors, buffer_bytes)` yields lists whose total size stays within
 `buffer_bytes` (a tensor larger than the buffer travels alone).
 
-Deserialization (`deserialize_named_tensors`) uses a restricted unpickler: only torch, a few
-builtins/containers and the metadata classes can be loaded, as in SGLang.
+Deserialization (`deserialize_named_tensors`) uses a restricted unpickler: an exact allow-list of
+(module, name) pairs (tensor rebuilders, storages, dtypes, `torch.Size`, the metadata classes) and
+nothing else; names are never resolved through attributes.
 """
 
 from __future__ import annotations
 
 import base64
+import importlib
 import io
 import pickle
 import threading
@@ -228,36 +230,47 @@ class FlatMeta:
     numel: int
 
 
-_ALLOWED_MODULES = {
-    "torch", "torch._utils", "torch._tensor", "torch.storage", "torch.nn.parameter",
-    "torch.multiprocessing.reductions", "collections", "copyreg", "types", "builtins",
-    "multiprocessing.reduction",
-}
+def _torch_dtype_names() -> frozenset[str]:
+    return frozenset(name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype))
+
+
+# Exactly the globals a weight payload is made of: what ForkingPickler writes for CPU tensors shared
+# through /dev/shm files, parameters, CUDA IPC tensors of a same-host GPU sender, torch.Size, the dtypes,
+# and the bucket metadata. Nothing is matched by module alone, and a name is never traversed (pickle
+# protocol 4 resolves dotted names attribute by attribute, which is how `torch` + "os.system" reaches a
+# shell): a (module, name) pair is either in this set or refused.
+_ALLOWED_GLOBALS = frozenset(
+    {("torch", name) for name in _torch_dtype_names()}
+    | {
+        ("torch", "Size"),
+        ("torch", "Tensor"),
+        ("torch.nn.parameter", "Parameter"),
+        ("torch.storage", "UntypedStorage"),
+        ("torch.storage", "TypedStorage"),
+        ("torch.multiprocessing.reductions", "rebuild_tensor"),
+        ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
+        ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
+        ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
+        ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+        ("types", "SimpleNamespace"),
+    }
+)
 _METADATA_CLASSES = {
     ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"),
     ("sglang.srt.model_executor.model_runner", "FlattenedTensorMetadata"),
     ("relax.weights.serialize", "FlatMeta"),
 }
-_DENIED = {
-    ("builtins", n)
-    for n in (
-        "eval", "exec", "compile", "open", "__import__", "getattr", "setattr", "delattr", "globals",
-        "locals", "vars", "input", "breakpoint", "exit", "quit", "help", "memoryview",
-    )
-} | {("types", "CodeType"), ("types", "FunctionType"), ("types", "ModuleType"), ("types", "MethodType")}
 
 
 class RestrictedUnpickler(pickle.Unpickler):
-    """Loads torch tensors (incl. shared-memory ones) and plain containers, nothing else."""
+    """Loads torch tensors (incl. shared-memory ones), parameters and plain containers, nothing else."""
 
     def find_class(self, module: str, name: str):
         if (module, name) in _METADATA_CLASSES:
             return FlatMeta
-        if (module, name) in _DENIED:
-            raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
-        if module in _ALLOWED_MODULES:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name} (not a weight payload type)")
+        if (module, name) not in _ALLOWED_GLOBALS:
+            raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name} (not a weight payload type)")
+        return getattr(importlib.import_module(module), name)
 
 
 def restricted_loads(data: str | bytes) -> Any:

@@ -57,6 +57,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from relax.backends.auth import OPEN_ENDPOINTS, authorized, engine_api_key
 from relax.backends.embedded.engine import EmbeddedEngine, EngineError
 from relax.backends.embedded.sampling import SamplingParams
 from relax.weights import shm
@@ -162,9 +163,21 @@ class _Groups:
         self.recent_payload: list = []
 
 
-def create_app(engine: EmbeddedEngine):
+def create_app(engine: EmbeddedEngine, api_key: str | None = None):
+    """The HTTP app. Every endpoint outside `OPEN_ENDPOINTS` requires `Authorization: Bearer api_key`;
+    without a key those endpoints are refused outright (an engine nobody can steer is safer than one
+    anybody can)."""
     app = FastAPI(title="relax embedded engine", version=SERVER_VERSION)
     groups = _Groups()
+
+    @app.middleware("http")
+    async def _require_key(request: Request, call_next):
+        if request.url.path not in OPEN_ENDPOINTS and not authorized(request.headers.get("authorization"), api_key):
+            why = ("this engine was started without an API key, so its control endpoints are disabled"
+                   if not api_key else "missing or wrong 'Authorization: Bearer <key>' header")
+            return _err(f"{request.url.path}: unauthorized ({why}; the key is the run's "
+                        "RELAX_ENGINE_API_KEY)", 401)
+        return await call_next(request)
     shm_cache = shm.SegmentCache()  # senders' shared-memory segments, mapped once
     started = time.time()
 
@@ -546,6 +559,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokenizer-path", default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--api-key", default=None,
+                   help="key that control endpoints require (as SGLang's --api-key); default: the environment "
+                        "variable RELAX_ENGINE_API_KEY, which keeps it off the command line")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-running-requests", type=int, default=64)
@@ -592,7 +608,7 @@ def main(argv=None) -> None:
         attn_implementation=args.attn_implementation,
         served_model_name=args.served_model_name,
     ).start()
-    app = create_app(engine)
+    app = create_app(engine, api_key=args.api_key or engine_api_key())
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                             access_log=False, timeout_graceful_shutdown=5,
                             # Keep idle connections open longer than the router's connection pool does: with

@@ -14,6 +14,7 @@ parallel layout (tp, pp, ep, dp, world size).
 from __future__ import annotations
 
 import json
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -35,9 +36,50 @@ __all__ = [
     "load_model_state",
     "is_relax_checkpoint",
     "resolve_model_checkpoint",
+    "load_state_file",
 ]
 
 _FORMAT = 1
+
+
+def _numpy_state_to_safe(state: tuple) -> tuple:
+    kind, keys, pos, has_gauss, cached = state
+    return (str(kind), torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached))
+
+
+def _numpy_state_from_safe(state: tuple) -> tuple:
+    import numpy as np
+
+    kind, keys, pos, has_gauss, cached = state
+    if isinstance(keys, torch.Tensor):
+        keys = keys.numpy().astype(np.uint32)
+    return (kind, keys, pos, has_gauss, cached)
+
+
+def _numpy_safe_globals() -> list:
+    """NumPy's array reconstructors: data only, found in the RNG state of checkpoints written before the
+    RNG state was stored as a tensor; allowed so that those still load with weights_only=True."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def load_state_file(path: str | Path, iteration: Optional[int] = None) -> Any:
+    """`torch.load` of one checkpoint file with `weights_only=True`: tensors, numbers, strings and
+    containers load; a file that would run code is refused. Errors name the file and the iteration."""
+    path = Path(path)
+    where = f"{path}" + (f" (iteration {iteration})" if iteration is not None else "")
+    try:
+        with torch.serialization.safe_globals(_numpy_safe_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"checkpoint file {where} is missing") from None
+    except pickle.UnpicklingError as exc:
+        raise ValueError(f"checkpoint file {where} holds objects other than tensors and plain values and was "
+                         f"not loaded (it could run code): {str(exc).splitlines()[0]}") from None
+    except RuntimeError as exc:
+        raise ValueError(f"checkpoint file {where} is damaged or truncated ({str(exc).splitlines()[0]})") from None
 
 
 def rng_state() -> dict[str, Any]:
@@ -47,7 +89,8 @@ def rng_state() -> dict[str, Any]:
 
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        # As plain values and a tensor, so that the file loads with weights_only=True.
+        "numpy": _numpy_state_to_safe(np.random.get_state()),
         "torch_cpu": torch.get_rng_state(),
         "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()},
     }
@@ -61,7 +104,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    np.random.set_state(_numpy_state_from_safe(state["numpy"]))
     torch.set_rng_state(state["torch_cpu"])
     if "torch_cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["torch_cuda"])
@@ -183,7 +226,7 @@ def load_checkpoint(path: str | Path, *, model, optimizer, scheduler, layout: Pa
     if meta["layout"] != _layout_key(layout):
         raise ValueError(f"checkpoint layout {meta['layout']} != current {_layout_key(layout)}")
     rank = dist.get_rank()
-    state = torch.load(path / f"rank{rank:05d}.pt", map_location="cpu", weights_only=False)
+    state = load_state_file(path / f"rank{rank:05d}.pt", meta.get("iteration"))
     unwrap_model(model).load_state_dict(state["model"], strict=True)
     if optimizer is not None:
         if state.get("optimizer") is None:
@@ -192,7 +235,7 @@ def load_checkpoint(path: str | Path, *, model, optimizer, scheduler, layout: Pa
     if scheduler is not None:
         # Megatron's scheduler adds the saved step count to its current one.
         scheduler.num_steps = 0
-        scheduler.load_state_dict(torch.load(path / "scheduler.pt", map_location="cpu", weights_only=False))
+        scheduler.load_state_dict(load_state_file(path / "scheduler.pt", meta.get("iteration")))
     set_rng_state(state["rng"])
     dist.barrier()
     return int(meta["iteration"])
@@ -237,6 +280,6 @@ def load_model_state(path: str | Path, *, model, layout: ParallelLayout) -> int:
     if meta["layout"] != _layout_key(layout):
         raise ValueError(f"checkpoint layout {meta['layout']} != current {_layout_key(layout)}; "
                          "a model checkpoint loads only into the parallel layout that wrote it")
-    state = torch.load(path / f"rank{dist.get_rank():05d}.pt", map_location="cpu", weights_only=False)
+    state = load_state_file(path / f"rank{dist.get_rank():05d}.pt", meta.get("iteration"))
     unwrap_model(model).load_state_dict(state["model"], strict=True)
     return int(meta["iteration"])

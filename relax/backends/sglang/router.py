@@ -19,6 +19,7 @@ from typing import Any, Mapping, Sequence
 
 import requests
 
+from relax.backends.auth import auth_headers, ensure_engine_api_key
 from relax.backends.net import ManagedProcess, find_free_port, url_host, wait_http_ok, with_parent_watchdog
 
 
@@ -56,6 +57,10 @@ def build_router_command(
     extra = _extra_args_to_cli(extra_args)
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(int(port)),
            "--policy", policy]
+    if "--api-key" not in extra:
+        # With a key the router requires it from its clients (generation and worker membership alike) and
+        # presents it to the workers, whose control endpoints need it (relax.backends.auth).
+        cmd += ["--api-key", ensure_engine_api_key()]
     if worker_urls:
         cmd += ["--worker-urls", *worker_urls]
     if "--log-level" not in extra:
@@ -107,7 +112,8 @@ class RouterProcess(ManagedProcess):
     # ----------------------------------------------------------------------------- HTTP helpers
     def _call(self, method: str, endpoint: str, **kw) -> requests.Response:
         try:
-            return requests.request(method, self.url + endpoint, timeout=self.request_timeout_s, **kw)
+            return requests.request(method, self.url + endpoint, timeout=self.request_timeout_s,
+                                    headers=auth_headers(), **kw)
         except requests.RequestException as exc:
             raise RouterError(f"router request {self.url}{endpoint} failed: {exc}") from None
 

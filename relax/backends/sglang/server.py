@@ -25,9 +25,10 @@ import os
 import sys
 from typing import Any, Mapping
 
+from relax.backends.auth import ensure_engine_api_key
 from relax.backends.net import ManagedProcess, find_free_port, url_host, wait_http_ok, with_parent_watchdog
 
-_RESERVED = {"model_path", "host", "port", "tp_size", "tp"}
+_RESERVED = {"model_path", "host", "port", "tp_size", "tp", "api_key"}
 
 SGLANG_PYTHON_ENV = "RELAX_SGLANG_PYTHON"
 CPU_SHIMS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_shims")
@@ -149,6 +150,8 @@ class SGLangServerProcess(ManagedProcess):
             env = cpu_env(env)
         self.python = sglang_python(python)
         cmd = build_sglang_command(self.model_path, host, self.port, self.tp_size, self.server_args, python=self.python)
+        # SGLang takes its key only as --api-key; it then requires it on every endpoint but /health*.
+        cmd += ["--api-key", ensure_engine_api_key()]
         super().__init__(
             with_parent_watchdog(cmd) if exit_with_parent else cmd,
             env=env,
