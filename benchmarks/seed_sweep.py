@@ -60,6 +60,13 @@ def flagged_steps(records: list[dict]) -> list[int]:
     return [r["step"] for r in records if mon.check(r["step"], r)]
 
 
+def _save_startup(out: Path, startup: dict[int, float | None]) -> None:
+    path = out / "startup.json"
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    old.update({str(k): v for k, v in startup.items() if v is not None})
+    path.write_text(json.dumps(old))
+
+
 def run_all(seeds: list[int], steps: int, parallel: int, out: Path, extra: list[str]) -> dict[int, float | None]:
     """Launch the runs; returns launch-to-first-step seconds per seed (None: already done or no step)."""
     todo = [s for s in seeds if len(read_metrics(out / f"seed_{s}")) < steps]
@@ -81,6 +88,7 @@ def run_all(seeds: list[int], steps: int, parallel: int, out: Path, extra: list[
             if startup[seed] is None and (out / f"seed_{seed}" / "metrics.jsonl").is_file() and \
                     (out / f"seed_{seed}" / "metrics.jsonl").stat().st_size > 0:
                 startup[seed] = time.monotonic() - t0
+                _save_startup(out, startup)  # kept even if the sweep is stopped before the end
             if proc.poll() is not None:
                 log.close()
                 del running[seed]
@@ -137,8 +145,7 @@ def main() -> int:
     startup: dict[int, float | None] = {}
     if not args.summarise:
         startup = run_all(seeds, args.steps, max(1, args.parallel), out, args.extra)
-        (out / "startup.json").write_text(json.dumps({str(k): v for k, v in startup.items()}))
-    elif (out / "startup.json").is_file():
+    if (out / "startup.json").is_file():
         startup = {int(k): v for k, v in json.loads((out / "startup.json").read_text()).items()}
     return summarise(seeds, args.steps, args.threshold, out, startup)
 
