@@ -18,6 +18,8 @@ import ray
 
 from relax.backends.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
 from relax.config.config import Config
+from relax.config.errors import ConfigError
+from relax.core.preflight import preflight
 
 logger = logging.getLogger("relax")
 
@@ -241,6 +243,12 @@ def run_controller(config: Config) -> int:
 
         info = build_embedded_assets(config.hf_checkpoint, config.prompt_data, seed=config.seed % 1000)
         logger.info("embedded default assets: %s", info)
+    try:
+        for note in preflight(config):
+            logger.warning("%s", note)
+    except ConfigError as exc:
+        logger.error("%s", exc)
+        return 2
     trace_log = logging.getLogger("relax.trace")  # full tracebacks go to the log file only
     trace_log.propagate = False
     trace_log.addHandler(logging.FileHandler(out / "logs" / "relax.log"))

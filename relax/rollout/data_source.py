@@ -280,6 +280,39 @@ def _keys(input_key: str, label_key: Optional[str], metadata_key: Optional[str],
                  tuple(sorted(multimodal_keys.items())) if multimodal_keys else None)
 
 
+def scan_prompt_file(
+    path: str,
+    *,
+    input_key: str = "prompt",
+    label_key: Optional[str] = "label",
+    metadata_key: Optional[str] = "metadata",
+    tool_key: Optional[str] = "tools",
+    skip_bad_lines: bool = False,
+    multimodal_keys: Optional[dict] = None,
+    max_rows: Optional[int] = None,
+) -> dict:
+    """Read up to `max_rows` rows as training would (same parser, same bad-row policy) and count what
+    matters before a run starts: ``{"rows", "bad_lines", "missing_label", "distinct_prompts",
+    "complete"}`` (`complete`: the whole file was read). A bad row raises `PromptDataError` naming
+    file:line unless `skip_bad_lines`."""
+    reader = _Reader(path, _keys(input_key, label_key, metadata_key, tool_key, multimodal_keys), skip_bad_lines, None)
+    counts = {"rows": 0, "bad_lines": 0, "missing_label": 0, "complete": True}
+    prompts: set[str] = set()
+
+    def bad(_: int) -> None:
+        counts["bad_lines"] += 1
+
+    for rec, _ in reader.iter_from(_Cursor(), bad, lambda _: None):
+        if max_rows is not None and counts["rows"] >= max_rows:
+            counts["complete"] = False
+            break
+        counts["rows"] += 1
+        counts["missing_label"] += int(label_key is not None and rec.label is None)
+        prompts.add(json.dumps(rec.prompt, sort_keys=True) if not isinstance(rec.prompt, str) else rec.prompt)
+    counts["distinct_prompts"] = len(prompts)
+    return counts
+
+
 def read_prompt_records(
     path: str,
     *,

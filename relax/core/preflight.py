@@ -1,0 +1,174 @@
+"""Checks of the run's inputs on disk, before Ray or any role starts: a mistake in a path or a file costs
+seconds and one message naming the flag, the file and the fix, not a start-up and an actor traceback.
+
+Flag values alone are checked in `relax.config.validate`; what needs the files themselves (and the
+readers that training uses, so that both agree on what a bad row is) is checked here:
+
+- the model folder (`--hf-checkpoint`): exists, holds a parseable `config.json` and a tokenizer;
+- prompt files (`--prompt-data`, `--eval-prompt-data`): exist, are not empty, and their rows parse with
+  the configured keys — every row when the file is small, the first `SCAN_ROWS` otherwise. Rows without
+  a label and fewer distinct prompts than `--rollout-batch-size` are reported as warnings;
+- checkpoints (`--load`, `--ref-load`, `--critic-load`): a path that does not exist is an error (a typo),
+  except `--load` equal to `--save`, the resume-or-start pattern of launch scripts, which starts fresh
+  and says so. The iteration the marker names must be complete and its files intact (a truncated file
+  is named with its iteration, and the newest complete iteration is offered);
+- a debug replay file (`--load-debug-rollout-data`) exists.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import zipfile
+from pathlib import Path
+from typing import Any, Optional
+
+from relax.config.errors import ConfigError
+from relax.core.checkpointing import MARKER, iter_dir
+from relax.rollout.data_source import PromptDataError, scan_prompt_file
+
+logger = logging.getLogger("relax")
+
+SCAN_ROWS = 100_000  # rows read from a prompt file larger than FULL_SCAN_BYTES
+FULL_SCAN_BYTES = 64 << 20
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def preflight(config: Any) -> list[str]:
+    """Raise `ConfigError` for the first input that cannot work; return warnings worth a console line."""
+    notes: list[str] = []
+    check_model_folder(config.hf_checkpoint)
+    if config.prompt_data:
+        notes += check_prompt_file(config, "--prompt-data", config.prompt_data, config.rollout_batch_size)
+    pairs = list(config.eval_prompt_data or [])
+    for name, path in zip(pairs[::2], pairs[1::2]):
+        notes += check_prompt_file(config, f"--eval-prompt-data {name}", path, None)
+    notes += check_load(config)
+    for flag, path in (("--ref-load", config.ref_load), ("--critic-load", config.critic_load)):
+        if path and path != config.load and not Path(path).exists():
+            raise ConfigError(f"{flag}: {path} does not exist; check the path")
+    if config.load_debug_rollout_data:
+        check_debug_file(config.load_debug_rollout_data)
+    return notes
+
+
+def check_model_folder(path: Optional[str]) -> None:
+    if not path:
+        raise ConfigError("--hf-checkpoint is required (the model folder: config.json, weights, tokenizer); "
+                          "run without --prompt-data and --hf-checkpoint for the embedded default")
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ConfigError(f"--hf-checkpoint: {path} is not a folder (no model hub is used: give a local model "
+                          "folder with config.json, weights and tokenizer)")
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"--hf-checkpoint: {config_file} is missing; the folder is not a Hugging Face model")
+    try:
+        json.loads(config_file.read_text())
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"--hf-checkpoint: {config_file} is not valid JSON ({exc})") from None
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"--hf-checkpoint: {path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                          "copy the tokenizer files next to the weights")
+
+
+def check_prompt_file(config: Any, flag: str, path: str, rollout_batch_size: Optional[int]) -> list[str]:
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"{flag}: file not found: {path}")
+    if file.stat().st_size == 0:
+        raise ConfigError(f"{flag}: {path} is empty")
+    full = file.stat().st_size <= FULL_SCAN_BYTES
+    try:
+        counts = scan_prompt_file(path, input_key=config.input_key or "prompt", label_key=config.label_key,
+                                  metadata_key=config.metadata_key, tool_key=config.tool_key,
+                                  skip_bad_lines=bool(config.skip_bad_lines), multimodal_keys=config.multimodal_keys,
+                                  max_rows=None if full else SCAN_ROWS)
+    except PromptDataError as exc:
+        raise ConfigError(f"{flag}: {exc} (fix the row, or add --skip-bad-lines to skip and count bad rows)") \
+            from None
+    read = "" if counts["complete"] else f" (first {counts['rows']} rows)"
+    if counts["rows"] == 0:
+        raise ConfigError(f"{flag}: {path} has no usable row{read}: {counts['bad_lines']} bad row(s)")
+    notes = []
+    if counts["bad_lines"]:
+        notes.append(f"{flag}: {counts['bad_lines']} bad row(s) of {path} will be skipped (--skip-bad-lines){read}")
+    if counts["missing_label"]:
+        notes.append(f"{flag}: {counts['missing_label']} of {counts['rows']} rows{read} of {path} have no "
+                     f"{config.label_key!r} key; rewards that compare with a label score them 0")
+    if rollout_batch_size and counts["complete"] and counts["distinct_prompts"] < rollout_batch_size:
+        notes.append(f"{flag}: {path} has {counts['distinct_prompts']} distinct prompt(s), fewer than "
+                     f"--rollout-batch-size {rollout_batch_size}: every step repeats prompts")
+    return notes
+
+
+def check_load(config: Any) -> list[str]:
+    load = config.load
+    if not load:
+        return []
+    root = Path(load)
+    resume_or_start = config.save is not None and root.resolve() == Path(config.save).resolve()
+    if not root.exists():
+        if resume_or_start:
+            return [f"--load {load} does not exist yet (it is also --save): starting from step 0"]
+        raise ConfigError(f"--load: {load} does not exist (a typo?); to start fresh and save there, pass only "
+                          f"--save {load}, or --load and --save with the same path")
+    if not (root / MARKER).is_file():
+        if (root / "config.json").is_file() or (root / "meta.json").is_file():
+            return []  # a model folder or a bare trainer checkpoint: loaded as weights
+        if resume_or_start:
+            return [f"--load {load} holds no checkpoint yet (it is also --save): starting from step 0"]
+        raise ConfigError(f"--load: {load} holds no checkpoint ({MARKER} is missing) and is not the --save folder")
+    try:
+        rollout_id = int((root / MARKER).read_text().strip())
+    except ValueError:
+        raise ConfigError(f"--load: {root / MARKER} does not hold an iteration number") from None
+    problem = checkpoint_problem(iter_dir(root, rollout_id))
+    if problem:
+        older = [i for i in complete_iterations(root) if i < rollout_id]
+        offer = (f"; the newest complete checkpoint is iteration {older[-1]} ({iter_dir(root, older[-1]).name}): "
+                 f"write {older[-1]} into {root / MARKER} to resume from it") if older else \
+            "; no earlier complete checkpoint exists"
+        raise ConfigError(f"--load: iteration {rollout_id}: {problem}{offer}")
+    return []
+
+
+def checkpoint_problem(path: Path) -> Optional[str]:
+    """Why the checkpoint folder `path` (iter_<id>) cannot be resumed from, or None."""
+    actor = path / "actor"
+    meta_file = actor / "meta.json"
+    if not meta_file.is_file():
+        return f"{meta_file} is missing (an incomplete checkpoint)"
+    if not (path / "relax_state.json").is_file():
+        return f"{path / 'relax_state.json'} is missing (an incomplete checkpoint)"
+    ranks = sorted(actor.glob("rank*.pt"))
+    if not ranks:
+        return f"{actor} holds no rank*.pt file"
+    for file in [*ranks, *actor.glob("scheduler.pt")]:
+        try:  # torch.save files are zip archives whose directory is at the end: a cut file fails here
+            with zipfile.ZipFile(file):
+                pass
+        except (zipfile.BadZipFile, OSError) as exc:
+            return f"{file} is damaged or truncated ({exc})"
+    return None
+
+
+def complete_iterations(root: Path) -> list[int]:
+    out = []
+    for path in sorted(root.glob("iter_*")):
+        try:
+            rollout_id = int(path.name.split("_", 1)[1])
+        except ValueError:
+            continue
+        if checkpoint_problem(path) is None:
+            out.append(rollout_id)
+    return out
+
+
+def check_debug_file(template: str) -> None:
+    if "{rollout_id}" in template:
+        matches = list(Path(template.split("{rollout_id}")[0]).parent.glob("*"))
+        if not Path(template.split("{rollout_id}")[0]).parent.is_dir() or not matches:
+            raise ConfigError(f"--load-debug-rollout-data: no file matches {template}")
+    elif not Path(template).is_file():
+        raise ConfigError(f"--load-debug-rollout-data: file not found: {template}")
