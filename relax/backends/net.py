@@ -203,6 +203,14 @@ def python_executable() -> str:
     return sys.executable
 
 
+def _die_with_parent() -> None:
+    """In a child between fork and exec: ask Linux to send SIGTERM when the parent dies (PR_SET_PDEATHSIG)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
+
+
 def with_parent_watchdog(cmd: Sequence[str], parent_pid: int | None = None) -> list[str]:
     """Wrap `cmd` so that it is terminated if `parent_pid` (default: this process) dies.
 
@@ -218,7 +226,8 @@ def _watchdog_main(argv: Sequence[str]) -> int:
         print("usage: python -m relax.backends.net --watch-parent PID -- CMD...", file=sys.stderr)
         return 2
     ppid, cmd = int(argv[1]), list(argv[3:])
-    child = subprocess.Popen(cmd)
+    # The kernel ends the child if this watchdog itself is killed (SIGKILL leaves it no time to act).
+    child = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
 
     def forward(signum, _frame):
         if child.poll() is None:

@@ -261,8 +261,9 @@ def run_controller(config: Config) -> int:
         logger.info("finished %d rollout steps; output in %s", config.num_rollout, out)
         return 0
     except KeyboardInterrupt:
-        logger.error("interrupted by %s; shutting down", getattr(_raise_interrupt, "received", None) or "SIGINT")
-        return 130
+        received = getattr(_raise_interrupt, "received", None) or "SIGINT"
+        logger.error("interrupted by %s; shutting down", received)
+        return 128 + signal.Signals[received].value  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
     except SystemExit as exc:  # a signal that arrived while Ray's own handler was installed
         logger.error("terminated (exit %s); shutting down", exc.code)
         return 143

@@ -8,6 +8,8 @@ from typing import Any
 
 import ray
 
+from relax.weights.sync import close_all as close_weight_syncs
+
 
 class MegatronRank:
     """Plain base class; each role subclasses it under `@ray.remote`."""
@@ -72,6 +74,7 @@ class MegatronRank:
     def shutdown(self) -> None:
         from relax.backends.megatron.parallel import destroy
 
+        close_weight_syncs()  # the shared-memory staging segment in /dev/shm goes with the run
         try:
             destroy()
         except Exception:  # best effort at exit
