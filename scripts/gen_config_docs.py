@@ -17,10 +17,10 @@ DOC = ROOT / "docs" / "configuration.md"
 
 
 def _default(action: argparse.Action) -> str:
-    if isinstance(action, argparse._StoreTrueAction) and action.default in (False, None):
-        return "off" if action.default is False else "unset"
-    value = action.default
-    return "`" + repr(value) + "`" if value not in (None, "") else ("unset" if value is None else '`""`')
+    """The effective default, in the words `--help` uses (parser default, derivation, embedded preset)."""
+    from relax.config.help_text import default_text
+
+    return default_text(action).removeprefix("default: ").replace("|", "\\|")
 
 
 def _type(action: argparse.Action) -> str:
