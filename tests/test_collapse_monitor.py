@@ -46,6 +46,7 @@ def test_group_fraction_is_preferred_and_singletons_never_warn():
                   "rollout/num_groups": 8.0}
     assert mon.check(5, one_sample) == []
     assert "task is solved" in mon.check(6, _step(1.0, 0.0, 0.3))[0]
+    assert mon.check(7, _step(0.99, 0.1, 0.03)) == []  # converged: low entropy at a high reward is fine
 
 
 def test_group_variance_metrics():

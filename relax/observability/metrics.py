@@ -8,8 +8,10 @@ naming the step, when training has lost its signal:
   than one sample (every sample scored the same, so every group did). GRPO-style advantages are then all 0
   and only the KL term moves the policy; on the embedded default this was the signature of a collapse onto
   the bare stop token (reward exactly 0 for 25 steps).
-* `train/entropy` (nats per response token) below `ENTROPY_FLOOR`: the policy answers (nearly)
-  deterministically, so groups stop differing. A solved task can legitimately get there; the warning says so.
+* `train/entropy` (nats per response token) below `ENTROPY_FLOOR` while `rollout/reward_mean` is below
+  `SOLVED_REWARD`: the policy answers (nearly) deterministically without solving the task, so groups stop
+  differing. A solved task legitimately gets there (the embedded default ends near entropy 0.03 at reward
+  0.99), so it is not flagged then.
 
 A warning is given on the first step of such a streak and every `repeat_every` steps while it lasts; its end
 is logged too.
@@ -26,7 +28,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 collapse_log = logging.getLogger("relax.collapse")
-ENTROPY_FLOOR = 0.05  # nats per token; the collapsed embedded default sat at 0.04, learning runs above 0.1
+ENTROPY_FLOOR = 0.05  # nats per token; the collapsed embedded default sat at 0.04 (reward 0)
+SOLVED_REWARD = 0.9  # at or above this mean reward a low entropy is convergence, not collapse
 
 _STDOUT_KEYS = ("rollout/reward_mean", "rollout/response_len_mean", "train/loss", "train/grad_norm",
                 "train/entropy", "perf/step_time", "perf/tokens_per_s")
@@ -105,10 +108,12 @@ class CollapseMonitor:
                 f"every group has zero reward variance (reward mean {reward_txt}): all advantages are 0, so no "
                 "policy gradient this step" + ("; the policy may have collapsed" if reward != 1.0 else
                                                  " (every answer is rewarded: the task is solved)"))
-        if isinstance(entropy, (int, float)) and math.isfinite(entropy) and entropy < self.entropy_floor:
+        solved = isinstance(reward, (int, float)) and reward >= SOLVED_REWARD
+        if isinstance(entropy, (int, float)) and math.isfinite(entropy) and entropy < self.entropy_floor \
+                and not solved:
             found["low_entropy"] = (
-                f"train/entropy {entropy:.4f} is below the floor {self.entropy_floor} (reward mean {reward_txt}): "
-                "the policy answers almost deterministically; unless the task is solved it has collapsed")
+                f"train/entropy {entropy:.4f} is below the floor {self.entropy_floor} at reward mean {reward_txt}: "
+                "the policy answers almost deterministically without solving the task (collapsed)")
         messages = []
         for cond in list(self._streaks):
             if cond not in found:
