@@ -25,6 +25,8 @@ from typing import IO, Callable, Mapping, Sequence
 
 import requests
 
+from relax.config.redact import redact_command
+
 logger = logging.getLogger(__name__)
 
 
@@ -122,7 +124,7 @@ class ManagedProcess:
         env = dict(os.environ)
         if self.env:
             env.update(self.env)
-        logger.info("starting %s: %s (log %s)", self.name, " ".join(self.cmd), self.log_path)
+        logger.info("starting %s: %s (log %s)", self.name, " ".join(redact_command(self.cmd)), self.log_path)
         self.proc = subprocess.Popen(
             self.cmd,
             stdout=self._log_file,

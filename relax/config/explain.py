@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from relax.config.config import Config
+from relax.config.redact import redact_values
 from relax.config.support import unsupported_flags
 
 # Not written to the resolved YAML: they describe this invocation, not the run.
@@ -28,7 +29,8 @@ def _plain(value: Any) -> Any:
 
 
 def resolved_values(config: Config) -> dict[str, Any]:
-    return {k: _plain(v) for k, v in sorted(config.items()) if k not in _NOT_PERSISTED}
+    """What the run writes as its configuration: every flag, secrets redacted (`relax.config.redact`)."""
+    return redact_values({k: _plain(v) for k, v in sorted(config.items()) if k not in _NOT_PERSISTED})
 
 
 def write_resolved_config(config: Config, path: str | Path | None = None) -> Path:

@@ -233,6 +233,7 @@ def run_controller(config: Config) -> int:
 
     out = Path(config.output_dir)
     (out / "logs").mkdir(parents=True, exist_ok=True)
+    out.chmod(0o700)  # logs and configs of a run can hold paths and hosts of a private setup: owner only
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         handlers=[logging.StreamHandler(), logging.FileHandler(out / "logs" / "relax.log")])
     write_resolved_config(config)
