@@ -29,6 +29,9 @@ logger = logging.getLogger(__name__)
 EMBEDDED_TASK = "successor"
 EMBEDDED_NUM_PROMPTS = 100
 WARM_START_STEPS = 40
+# Only the output head learns the format: the body keeps the prompt in its features, so GRPO does not first
+# have to re-grow the prompt dependence a full warm start erased (relax.models.warmstart; issue 18).
+WARM_START_TRAINABLE = "head"
 EMBEDDED_ARCH = TinyArch(family="qwen2")
 CACHE_ENV = "RELAX_EMBEDDED_CACHE"
 _BUILDER_MODULES = ("embedded.py", "tiny.py", "warmstart.py", "tasks.py")
@@ -38,7 +41,7 @@ _DONE = "relax_cache_complete.json"
 
 def embedded_spec(seed: int) -> dict:
     return {"task": EMBEDDED_TASK, "num_prompts": EMBEDDED_NUM_PROMPTS, "warm_start_steps": WARM_START_STEPS,
-            "seed": seed}
+            "warm_start_trainable": WARM_START_TRAINABLE, "seed": seed}
 
 
 def cache_root() -> Path | None:
@@ -70,7 +73,8 @@ def cache_key(seed: int) -> str:
 
 def _build(model_dir: Path, data_path: Path, seed: int) -> dict:
     build_tiny_model_dir(model_dir, EMBEDDED_ARCH, seed=seed)
-    report = format_warm_start(model_dir, task=EMBEDDED_TASK, steps=WARM_START_STEPS, seed=seed)
+    report = format_warm_start(model_dir, task=EMBEDDED_TASK, steps=WARM_START_STEPS, seed=seed,
+                               trainable=WARM_START_TRAINABLE)
     generate_task_dataset(data_path, EMBEDDED_NUM_PROMPTS, seed, task=EMBEDDED_TASK)
     return report
 
