@@ -45,7 +45,10 @@ def test_help_runs_and_never_says_none():
     assert "default: None" not in " ".join(proc.stdout.split()) and "(mirrored)" not in proc.stdout
     entries = _entries(proc.stdout)
     assert entries["--lr"].endswith("(default: 1e-06; the embedded default run uses 0.002)")
-    assert entries["--micro-batch-size"].split("(default: ")[1].startswith("1; the embedded default run uses 16")
+    from relax.config.presets import EMBEDDED_PRESET
+
+    preset_mbs = EMBEDDED_PRESET["micro_batch_size"]
+    assert entries["--micro-batch-size"].split("(default: ")[1].startswith(f"1; the embedded default run uses {preset_mbs}")
     assert entries["--expert-tensor-parallel-size"].endswith("(default: 1)")
     assert entries["--no-save-optim"].endswith("(default: off)")
     assert entries["--moe-aux-loss-coeff"].endswith("Not supported yet. (default: 0.0)")

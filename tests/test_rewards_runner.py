@@ -255,3 +255,16 @@ def test_relax_sample_response_text_and_assign():
     d = {"response": "a", "label": "a"}
     score_samples([d], "exact_match", assign=True)
     assert d["reward"] == 1.0
+
+
+def test_a_reward_that_never_returns_fails_by_its_deadline():
+    async def never(args, sample):
+        await asyncio.Event().wait()
+
+    samples = [Sample("a", "a"), Sample("b", "a")]
+    start = time.monotonic()
+    with pytest.raises(RewardError, match=r"sample 0 .*did not return within 0.3 s \(--reward-timeout\)"):
+        RewardRunner(custom_fn=never, timeout_s=0.3).score(samples)
+    assert time.monotonic() - start < 5
+    result = RewardRunner(custom_fn=never, timeout_s=0.3, on_error="zero").score(samples)
+    assert result.rewards == [0.0, 0.0] and result.num_errors == 2

@@ -35,7 +35,7 @@ _E2E_LOOP = {
     "rollout_max_response_len", "rollout_max_context_len", "rollout_stop", "rollout_stop_token_ids",
     "rollout_skip_special_tokens",
     # rewards
-    "rm_type", "custom_rm_path", "reward_key", "group_rm", "rm_url", "reward_error_policy",
+    "rm_type", "custom_rm_path", "reward_key", "group_rm", "rm_url", "reward_error_policy", "reward_timeout",
     # algorithm
     "advantage_estimator", "normalize_advantages", "disable_grpo_std_normalization",
     "disable_rewards_normalization", "eps_clip", "eps_clip_high", "eps_clip_c", "entropy_coef", "sapo_tau_pos",

@@ -27,6 +27,10 @@ def add_flags(parser):
     g.add_argument("--reward-error-policy", type=str, default="fail", choices=["fail", "zero"],
                    help="When a reward function raises: stop the run naming the sample (fail), or score it 0 and "
                         "count it in the metrics (zero).")
+    g.add_argument("--reward-timeout", type=float, default=600.0,
+                   help="Seconds one reward call (a sample, or a group with --group-rm) may take; a call that has "
+                        "not returned by then is a reward failure and follows --reward-error-policy (Relax's own "
+                        "flag: without it a reward function that never returns would hang the step).")
 
     g = parser.add_argument_group("Generative reward model")
     g.add_argument("--genrm-model-path", type=str, default=None, help="Model of the generative reward model; enables GenRM.")

@@ -148,6 +148,7 @@ class RewardRunner:
         max_workers: int = 8,
         max_concurrency: int = 256,
         rm_options: Optional[dict] = None,
+        timeout_s: Optional[float] = None,
     ) -> None:
         if on_error not in ON_ERROR_POLICIES:
             raise ValueError(f"on_error must be one of {ON_ERROR_POLICIES}, got {on_error!r}")
@@ -166,6 +167,7 @@ class RewardRunner:
         self.on_error = on_error
         self.args = args
         self.max_concurrency = int(max_concurrency)
+        self.timeout_s = timeout_s  # per call (--reward-timeout); None waits forever
         self.rm_options = dict(rm_options or {})
         self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="relax-reward")
         self._fns: dict[str, Any] = {}
@@ -193,6 +195,7 @@ class RewardRunner:
             group_rm=bool(getattr(args, "group_rm", False)),
             reward_key=getattr(args, "reward_key", None),
             on_error=getattr(args, "reward_error_policy", None) or "fail",
+            timeout_s=getattr(args, "reward_timeout", None),
             args=args,
             rm_options=rm_options,
         )
@@ -230,6 +233,16 @@ class RewardRunner:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, fn, response, label, metadata)
 
+    async def _deadline(self, call: Any) -> Any:
+        """Await one reward call within `timeout_s`; past it the call is a failure that names the flag."""
+        if self.timeout_s is None:
+            return await call
+        try:
+            return await asyncio.wait_for(call, self.timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"the reward call did not return within {self.timeout_s:g} s "
+                               "(--reward-timeout)") from None
+
     def _failure(
         self, where: str, rm_name: str, exc: BaseException, samples: Sequence[Any]
     ) -> str:
@@ -247,12 +260,13 @@ class RewardRunner:
             async with sem:
                 if self.custom is not None:
                     rm_name = f"custom {self.custom.path}"
-                    raw = await self.custom.acall(self.args, sample, executor=self._executor)
+                    raw = await self._deadline(self.custom.acall(self.args, sample, executor=self._executor))
                 else:
                     metadata = _metadata(sample)
                     rm_name = resolve_rm_type(self.rm_type, metadata)
                     fn = self._fn(rm_name)
-                    raw = await self._call_builtin(fn, _response(sample), _field(sample, "label"), metadata)
+                    raw = await self._deadline(self._call_builtin(fn, _response(sample), _field(sample, "label"),
+                                                                  metadata))
             return [reward_to_float(raw, self.reward_key)], [raw], []
         except asyncio.CancelledError:
             raise
@@ -267,7 +281,7 @@ class RewardRunner:
         rm_name = f"custom {self.custom.path} (group)"
         try:
             async with sem:
-                raw = await self.custom.acall(self.args, list(group), executor=self._executor)
+                raw = await self._deadline(self.custom.acall(self.args, list(group), executor=self._executor))
             if isinstance(raw, (str, bytes, Mapping)) or not isinstance(raw, Sequence):
                 raise TypeError(f"group reward must return a list of {len(group)} rewards, got {type(raw).__name__}")
             raw = list(raw)
