@@ -15,6 +15,7 @@ from typing import Any, Callable
 from relax.config.errors import ConfigError
 from relax.config.presets import apply_embedded_default
 from relax.config.sglang import owned_flag_error
+from relax.data.replay_record import recorded_run
 
 RESOURCE_ROLES = ("actor", "rollout", "critic", "reference", "actor_fwd", "advantages", "genrm", "teacher")
 
@@ -59,6 +60,7 @@ def validate_and_derive(values: dict[str, Any], explicit: frozenset[str],
     defaults = defaults or {}
     explicit = frozenset(d for d in explicit if d not in HOOK_FLAGS or v.get(d) != defaults.get(d, object()))
     embedded = apply_embedded_default(v, explicit)
+    apply_replay_record(v, explicit)
     from relax.config import rules_rollout, rules_training
 
     for rule in RULES + tuple(rules_training.RULES) + tuple(rules_rollout.RULES):
@@ -91,6 +93,24 @@ def restated_derivations(values: dict[str, Any], explicit: frozenset[str], defau
 
 
 # --------------------------------------------------------------------------- value ranges
+
+def apply_replay_record(v: dict, explicit) -> None:
+    """A replay (`--load-debug-rollout-data`) takes the model and batch shape recorded in its file."""
+    template = v.get("load_debug_rollout_data")
+    if not template:
+        return
+    try:
+        record = recorded_run(template, v.get("start_rollout_id") or 0)
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"--load-debug-rollout-data: {exc}") from None
+    for dest, value in (record or {}).items():
+        if dest not in v or value is None:
+            continue
+        if dest in explicit and v[dest] != value:
+            raise ConfigError(f"{flag(dest)} {v[dest]} differs from the value the replayed rollouts were generated "
+                              f"with ({value}, recorded in {template}); drop {flag(dest)} to use the recorded one")
+        v[dest] = value
+
 
 def check_ranges(v: dict, explicit) -> None:
     for dest in POSITIVE_INTS:

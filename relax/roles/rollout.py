@@ -21,6 +21,7 @@ from typing import Any
 import ray
 
 from relax.backends.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
+from relax.data.replay_record import run_record
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ class RolloutManager:
                 s.validate()
             groups = _group(samples)
         if c.save_debug_rollout_data:
-            save_rollout_data(c.save_debug_rollout_data, step, samples)
+            save_rollout_data(c.save_debug_rollout_data, step, samples, run=run_record(c))
         self.data.put(step, samples)
         metrics = step_metrics(samples, gen_time)
         metrics.update(extra)

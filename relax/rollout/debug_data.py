@@ -1,7 +1,8 @@
 """`--save-debug-rollout-data` / `--load-debug-rollout-data`: one step's samples as JSON lines.
 
 The file (its path may contain `{rollout_id}`) holds a header line
-`{"relax_debug_rollout": 1, "rollout_id": N, "num_samples": M}` and then one `Sample.to_dict()` per
+`{"relax_debug_rollout": 1, "rollout_id": N, "num_samples": M, "run": {...}}` (`run`: what a replay needs,
+`relax.data.replay_record`) and then one `Sample.to_dict()` per
 line. JSON only: loading never unpickles anything, and floats (log-probs, rewards) round-trip exactly.
 A sample whose prompt/label/metadata is not JSON-serializable fails the save, naming the field.
 """
@@ -15,6 +16,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from relax.data.replay_record import HEADER_KEY
 from relax.data.sample import SAMPLE_FIELDS, Sample
 
 FORMAT_VERSION = 1
@@ -24,13 +26,17 @@ def debug_path(template: str, rollout_id: int) -> str:
     return template.format(rollout_id=rollout_id) if "{rollout_id}" in template else template
 
 
-def save_rollout_data(template: str, rollout_id: int, samples: Sequence[Sample]) -> str:
+def save_rollout_data(template: str, rollout_id: int, samples: Sequence[Sample],
+                      run: Optional[dict] = None) -> str:
+    """Write one step's samples; `run` (`relax.data.replay_record.run_record`) lets a replay run without flags."""
     path = Path(debug_path(template, rollout_id))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(json.dumps({"relax_debug_rollout": FORMAT_VERSION, "rollout_id": rollout_id,
-                             "num_samples": len(samples)}) + "\n")
+        header = {HEADER_KEY: FORMAT_VERSION, "rollout_id": rollout_id, "num_samples": len(samples)}
+        if run is not None:
+            header["run"] = run
+        fh.write(json.dumps(header) + "\n")
         for s in samples:
             row = s.to_dict()
             try:
