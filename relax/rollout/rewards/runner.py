@@ -178,17 +178,8 @@ class RewardRunner:
     @classmethod
     def from_args(cls, args: Any, **overrides: Any) -> "RewardRunner":
         """Build from an argparse-like namespace: ``rm_type``, ``custom_rm_path``, ``group_rm``,
-        ``reward_key``, ``reward_error_policy``, ``rm_url`` (and, when present, ``rm_timeout``,
-        ``rm_max_retries``)."""
-        rm_options = {
-            k: v
-            for k, v in {
-                "rm_url": getattr(args, "rm_url", None),
-                "timeout": getattr(args, "rm_timeout", None),
-                "max_retries": getattr(args, "rm_max_retries", None),
-            }.items()
-            if v is not None
-        }
+        ``reward_key``, ``reward_error_policy``, ``reward_timeout``, ``rm_url``."""
+        rm_options = {"rm_url": args.rm_url} if getattr(args, "rm_url", None) is not None else {}
         kw = dict(
             rm_type=getattr(args, "rm_type", None),
             custom_rm_path=getattr(args, "custom_rm_path", None),
