@@ -1,0 +1,173 @@
+"""A single-process replica of the embedded default's GRPO, for seed sweeps in minutes instead of hours.
+
+    .venv/bin/python benchmarks/grpo_replica.py                          # 8 seeds x 100 steps, the preset
+    .venv/bin/python benchmarks/grpo_replica.py --seeds 1234 --kl 0.01 --dual-clip 0 --steps 60
+
+It is not `relax-train` (no Ray, no engine, no Megatron; its own sampling RNG, so a seed's trajectory differs
+from the real run's), but it computes the same objective on the same assets: the embedded model and task
+(`relax.models.embedded.build_embedded_assets`, through the user cache), 32 prompts x 16 samples per step
+drawn from the shuffled 100-row task file, temperature sampling of at most 8 tokens, exact match, GRPO
+advantages ((r - group mean) / (unbiased group std + 1e-6)), old log-probs = the policy at rollout time, PPO
+clip 0.2 with optional dual clip, low_var_kl to the warm start, the per-token mean over each optimizer step's
+128 samples, Adam (0.9, 0.999, 1e-8) with clip-grad 1.0, linear warm-up from 0 and cosine decay over
+--schedule-steps rollouts. Defaults are the embedded preset's (relax/config/presets.py). Use it to compare
+settings across many seeds; confirm a choice with benchmarks/seed_sweep.py (the real job).
+
+Prints per seed the first step whose 5-step mean reward exceeds 0.8 and the final reward, then the spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SEEDS = (1234, 4321, 777, 5555, 1, 2, 3, 42)
+
+
+def run_seed(a, seed: int, workdir: Path) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from relax.models.embedded import build_embedded_assets
+    from relax.models.tasks import render_prompt
+
+    base = workdir / f"assets_{seed % 1000}"
+    build_embedded_assets(str(base / "model"), str(base / "train.jsonl"), seed=seed % 1000)  # as the controller
+    tok = AutoTokenizer.from_pretrained(base / "model")
+    model = AutoModelForCausalLM.from_pretrained(base / "model", dtype=torch.float32)
+    ref = copy.deepcopy(model).eval()
+    rows = [json.loads(line) for line in (base / "train.jsonl").read_text().splitlines()]
+    eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=a.lr, betas=(0.9, 0.999), eps=1e-8)
+    total = a.schedule_steps * a.steps_per_rollout
+
+    def lr_at(i: int) -> float:
+        if i < a.warmup_iters:
+            return a.lr * i / a.warmup_iters
+        frac = min(1.0, (i - a.warmup_iters) / max(1, total - a.warmup_iters))
+        return a.min_lr + (a.lr - a.min_lr) * 0.5 * (1 + math.cos(math.pi * frac))
+
+    order, pos, it, rewards = list(range(len(rows))), len(rows), 0, []
+    for step in range(a.steps):
+        batch = []
+        for _ in range(a.prompts):
+            if pos >= len(order):
+                rng.shuffle(order)
+                pos = 0
+            batch.append(rows[order[pos]])
+            pos += 1
+        prompts = [tok(render_prompt(tok, r["input"]), add_special_tokens=False)["input_ids"] for r in batch]
+        plen = len(prompts[0])
+        assert all(len(x) == plen for x in prompts), "the tiny tasks' prompts all have one length"
+        ids = torch.tensor([x for x in prompts for _ in range(a.n)])
+        n_all = ids.shape[0]
+        done = torch.zeros(n_all, dtype=torch.bool)
+        out_tokens = []
+        model.eval()
+        with torch.no_grad():
+            cur = ids
+            for _ in range(8):
+                logits = model(input_ids=cur).logits[:, -1].float() / a.temperature
+                nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen).squeeze(1)
+                nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+                out_tokens.append(nxt)
+                done |= nxt == eos
+                cur = torch.cat([cur, nxt[:, None]], 1)
+                if bool(done.all()):
+                    break
+        resp = torch.stack(out_tokens, 1)
+        width = resp.shape[1]
+        mask = torch.zeros(n_all, width)
+        for b in range(n_all):
+            for t in range(width):
+                mask[b, t] = 1
+                if resp[b, t] == eos:
+                    break
+        labels = [r["label"] for r in batch for _ in range(a.n)]
+        reward = torch.tensor([
+            1.0 if tok.decode([int(x) for x, m in zip(resp[b], mask[b]) if m and int(x) != eos]).strip() == labels[b]
+            else 0.0 for b in range(n_all)]).view(a.prompts, a.n)
+        adv = ((reward - reward.mean(1, keepdim=True)) / (reward.std(1, keepdim=True) + 1e-6)).view(-1)
+        full = torch.cat([ids, torch.where(mask.bool(), resp, torch.full_like(resp, pad))], 1)
+        attn = torch.cat([torch.ones(n_all, plen), mask], 1).long()
+
+        def logp(m, idx):
+            lg = m(input_ids=full[idx], attention_mask=attn[idx]).logits.float()[:, plen - 1:plen - 1 + width]
+            lp = torch.log_softmax(lg / a.temperature, -1)
+            return lp.gather(-1, resp[idx].clamp(min=0)[..., None]).squeeze(-1)
+
+        with torch.no_grad():
+            old, ref_lp = logp(model, torch.arange(n_all)), logp(ref, torch.arange(n_all))
+        model.train()
+        per = n_all // a.steps_per_rollout
+        for k in range(a.steps_per_rollout):
+            idx = torch.arange(k * per, (k + 1) * per)
+            for group in opt.param_groups:
+                group["lr"] = lr_at(it)
+            opt.zero_grad()
+            lp, m, adv_k = logp(model, idx), mask[idx], adv[idx][:, None]
+            ratio = torch.exp(lp - old[idx])
+            pg = torch.maximum(-adv_k * ratio, -adv_k * ratio.clamp(1 - a.eps_clip, 1 + a.eps_clip))
+            if a.dual_clip:
+                pg = torch.where(adv_k < 0, torch.minimum(pg, -a.dual_clip * adv_k), pg)
+            x = (lp - ref_lp[idx]).clamp(-20, 20)
+            kl = (torch.expm1(-x) + x).clamp(-10, 10)
+            (((pg + a.kl * kl) * m).sum() / m.sum()).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            it += 1
+        rewards.append(float(reward.mean()))
+    cross = next((i for i in range(4, len(rewards)) if statistics.fmean(rewards[i - 4:i + 1]) > 0.8), None)
+    return {"seed": seed, "cross": cross, "final": rewards[-1], "final5": statistics.fmean(rewards[-5:]),
+            "rewards": rewards}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", default=",".join(map(str, SEEDS)))
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--schedule-steps", type=int, default=100, help="the run length the lr schedule is for")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--min-lr", type=float, default=2e-4)
+    p.add_argument("--warmup-iters", type=int, default=20)
+    p.add_argument("--steps-per-rollout", type=int, default=4)
+    p.add_argument("--kl", type=float, default=0.1)
+    p.add_argument("--eps-clip", type=float, default=0.2)
+    p.add_argument("--dual-clip", type=float, default=3.0, help="0: off")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--n", type=int, default=16)
+    p.add_argument("--workdir", default=None, help="where the assets are copied (default: a temporary folder)")
+    a = p.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(a.workdir or tmp)
+        for seed in (int(s) for s in a.seeds.split(",")):
+            t0 = time.perf_counter()
+            r = run_seed(a, seed, workdir)
+            results.append(r)
+            print(f"seed {seed}: 5-step mean > 0.8 at step {r['cross']}, final {r['final']:.3f} "
+                  f"(mean of last 5 {r['final5']:.3f}), {time.perf_counter() - t0:.0f} s", flush=True)
+    crossings = [r["cross"] if r["cross"] is not None else a.steps for r in results]
+    print(f"crossing over {len(results)} seeds: min {min(crossings)}, median {statistics.median(crossings):g}, "
+          f"max {max(crossings)}; final reward min {min(r['final'] for r in results):.3f}")
+    return 0 if all(r["cross"] is not None for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
