@@ -216,9 +216,10 @@ def run_relax(steps: int, out: Path, extra: list[str]) -> tuple[list[dict], floa
             if first_at is None and metrics.is_file() and metrics.stat().st_size:
                 first_at = time.perf_counter() - t_launch
             time.sleep(0.05)
-    if proc.returncode != 0:
-        sys.exit(f"relax-train failed ({proc.returncode}); log: {out.parent / (out.name + '.log')}\n"
-                 + (out.parent / f"{out.name}.log").read_text()[-3000:])
+    if proc.returncode != 0:  # e.g. Ray's node start timing out on an overloaded machine: the loop still runs
+        print(f"relax-train failed ({proc.returncode}); log: {out.parent / (out.name + '.log')}\n"
+              + (out.parent / f"{out.name}.log").read_text()[-2000:], file=sys.stderr)
+        return [], None
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
     rows = [r for r in rows if "perf/step_time" in r]
     recs = []
@@ -301,7 +302,7 @@ def main() -> int:
             loop = run_loop(config, args.steps, threads)
         print(f"uptime: {os.popen('uptime').read().strip()}")
         report(loop, relax, args.warmup)
-    return 0
+    return 1 if not (relax or args.skip_relax) else 0
 
 
 if __name__ == "__main__":
