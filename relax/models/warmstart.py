@@ -13,15 +13,18 @@ drawn from the task's prompt set by an RNG that is not keyed by the task, so two
 same prompts and answer alphabet but different labels (``successor`` and ``copy``) produce
 bit-identical warm-started weights (tested).
 
-Only the output head learns (``trainable="head"``, the default: ``lm_head`` and the final norm,
-Adam at 1e-2): the transformer body keeps its random-init features, so the hidden state at the
-answer position still differs between prompts, and the digit rows of ``lm_head`` become (nearly)
-equal, which makes the answer uniform whatever the prompt. Training every weight
-(``trainable="all"``, Adam at 3e-3, the former default) reaches the same format by erasing the
+With ``trainable="head"`` only the output head learns (``lm_head`` and the final norm, Adam at
+1e-2): the transformer body keeps its random-init features, so the hidden state at the answer
+position still differs between prompts, and the digit rows of ``lm_head`` become (nearly) equal,
+which makes the answer uniform whatever the prompt. Training every weight
+(``trainable="all"``, Adam at 3e-3, the default) reaches the same format by erasing the
 prompt from that hidden state instead: after 40 steps its spread across the 10 prompts was 0.07-0.13%
 of its norm (asset seeds 234 and 321) against 11-12% with the head alone, and GRPO then first had to
 re-grow the prompt dependence from that tiny remainder: on the embedded default seed 1234 the reward
-stayed at chance for ~30 steps (issue 18); with the head-only warm start it passes 0.8 after ~20.
+stayed at chance for ~35 steps (issue 18); with the head-only warm start it passed 0.8 after ~22 in
+``benchmarks/grpo_replica.py`` (8 seeds: 20-25). It is not the default yet: from it, GRPO at lr 1e-3
+without warm-up collapsed onto a wrong answer in one update (tests/test_estimators_learn.py, grpo), so the
+untrained body is more fragile to the first steps.
 Measured after 40 head-only steps (asset seeds 1, 234, 321): >= 0.998 probability mass on the digits,
 a digit distribution within 0.006 of uniform for every prompt, P(<|im_end|> | digit) >= 0.988.
 
@@ -80,14 +83,14 @@ def format_warm_start(
     lr: float | None = None,
     log_every: int = 0,
     prompt_format: str = "chat",
-    trainable: str = "head",
+    trainable: str = "all",
 ) -> dict:
     """Train ``model_dir``'s model in place on the answer format of ``task``; save it back.
 
     ``prompt_format`` must match how the rollout renders dataset inputs ("chat": the chat
     template with the generation prompt; "text": the bare prompt).
 
-    ``trainable``: "head" (``lm_head`` and the final norm; default lr 1e-2) or "all" (default lr 3e-3).
+    ``trainable``: "all" (default lr 3e-3) or "head" (``lm_head`` and the final norm; default lr 1e-2).
 
     ``batch_size`` prompts per step, each expanded to every answer choice (so 160 sequences
     per step for a digit task). Returns a small report (final loss, time, the uniform-loss floor).
