@@ -19,6 +19,12 @@ Phases (medians over steps, the first `--warmup` excluded):
   train     relax: perf/train_compute_time (advantages, old log-probs, updates); loop: the same three
   sync      relax: perf/weight_sync_time;  loop: 0
   other     step time minus the above (relax: Ray calls, data plane, metrics; loop: prompt sampling/encoding)
+
+Threads: the loop defaults to what a Relax trainer actor gets (cpu_count // trainer ranks, relax/core/controller.py:
+2 on a 2-core machine). On a loaded machine two OpenMP threads per process are far slower than one (measured on
+2 cores at load ~15: loop step 36 s with 2 threads, 4.9 s with 1): compare at --threads 1 too, and read
+`uptime` (printed before and after). Ray's node start has a fixed 30 s limit, which an overloaded machine can
+miss; the relax side then reports nothing and the loop still runs (exit 1).
 """
 
 from __future__ import annotations
