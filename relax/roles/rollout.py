@@ -22,6 +22,7 @@ import ray
 
 from relax.backends.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
 from relax.data.replay_record import run_record
+from relax.rollout.step_logs import group_variance_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +192,7 @@ class RolloutManager:
             save_rollout_data(c.save_debug_rollout_data, step, samples, run=run_record(c))
         self.data.put(step, samples)
         metrics = step_metrics(samples, gen_time)
+        metrics.update(group_variance_metrics(samples))  # the collapse monitor reads the zero-variance fraction
         metrics.update(extra)
         if c.log_passrate:
             from relax.rollout.evaluation import passrate_metrics
