@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 from relax.config.errors import ConfigError
 from relax.core.checkpointing import MARKER, iter_dir
+from relax.data.replay_record import first_file
 from relax.rollout.data_source import PromptDataError, scan_prompt_file
 
 logger = logging.getLogger("relax")
@@ -48,7 +49,7 @@ def preflight(config: Any) -> list[str]:
         if path and path != config.load and not Path(path).exists():
             raise ConfigError(f"{flag}: {path} does not exist; check the path")
     if config.load_debug_rollout_data:
-        check_debug_file(config.load_debug_rollout_data)
+        check_debug_file(config.load_debug_rollout_data, config.start_rollout_id or 0)
     return notes
 
 
@@ -165,10 +166,7 @@ def complete_iterations(root: Path) -> list[int]:
     return out
 
 
-def check_debug_file(template: str) -> None:
-    if "{rollout_id}" in template:
-        matches = list(Path(template.split("{rollout_id}")[0]).parent.glob("*"))
-        if not Path(template.split("{rollout_id}")[0]).parent.is_dir() or not matches:
-            raise ConfigError(f"--load-debug-rollout-data: no file matches {template}")
-    elif not Path(template).is_file():
-        raise ConfigError(f"--load-debug-rollout-data: file not found: {template}")
+def check_debug_file(template: str, rollout_id: int = 0) -> None:
+    path = first_file(template, rollout_id)
+    if not path.is_file():
+        raise ConfigError(f"--load-debug-rollout-data: file not found: {path} (the first step to replay)")
