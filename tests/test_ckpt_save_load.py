@@ -44,10 +44,9 @@ def _train(worker, seed: int) -> float:
 
 def _state(worker) -> dict:
     def fn(w):
-        from relax.backends.megatron.checkpoint import optimizer_state
-        from relax.core.checkpointing import _cpu_copy
+        from relax.backends.megatron.checkpoint import cpu_copy, optimizer_state
 
-        return {"model": w.trainer.model_state(), "optim": _cpu_copy(optimizer_state(w.trainer.optimizer)),
+        return {"model": w.trainer.model_state(), "optim": cpu_copy(optimizer_state(w.trainer.optimizer)),
                 "iteration": w.trainer.iteration}
 
     return ray.get(worker.__ray_call__.remote(fn))

@@ -19,12 +19,18 @@ from __future__ import annotations
 
 import json
 import logging
-import zipfile
 from pathlib import Path
 from typing import Any, Optional
 
 from relax.config.errors import ConfigError
-from relax.core.checkpointing import MARKER, iter_dir
+from relax.backends.megatron.checkpoint_layout import (
+    MARKER,
+    checkpoint_problem,
+    complete_iterations,
+    is_saved,
+    iter_dir,
+    latest_iteration,
+)
 from relax.data.replay_record import first_file
 from relax.rollout.data_source import PromptDataError, scan_prompt_file
 
@@ -114,16 +120,16 @@ def check_load(config: Any) -> list[str]:
             return [f"--load {load} does not exist yet (it is also --save): starting from step 0"]
         raise ConfigError(f"--load: {load} does not exist (a typo?); to start fresh and save there, pass only "
                           f"--save {load}, or --load and --save with the same path")
-    if not (root / MARKER).is_file():
-        if (root / "config.json").is_file() or (root / "meta.json").is_file():
+    try:
+        rollout_id = latest_iteration(root)
+    except ValueError:
+        raise ConfigError(f"--load: {root / MARKER} does not hold an iteration number") from None
+    if rollout_id is None:
+        if (root / "config.json").is_file() or is_saved(root):
             return []  # a model folder or a bare trainer checkpoint: loaded as weights
         if resume_or_start:
             return [f"--load {load} holds no checkpoint yet (it is also --save): starting from step 0"]
         raise ConfigError(f"--load: {load} holds no checkpoint ({MARKER} is missing) and is not the --save folder")
-    try:
-        rollout_id = int((root / MARKER).read_text().strip())
-    except ValueError:
-        raise ConfigError(f"--load: {root / MARKER} does not hold an iteration number") from None
     problem = checkpoint_problem(iter_dir(root, rollout_id))
     if problem:
         older = [i for i in complete_iterations(root) if i < rollout_id]
@@ -132,38 +138,6 @@ def check_load(config: Any) -> list[str]:
             "; no earlier complete checkpoint exists"
         raise ConfigError(f"--load: iteration {rollout_id}: {problem}{offer}")
     return []
-
-
-def checkpoint_problem(path: Path) -> Optional[str]:
-    """Why the checkpoint folder `path` (iter_<id>) cannot be resumed from, or None."""
-    actor = path / "actor"
-    meta_file = actor / "meta.json"
-    if not meta_file.is_file():
-        return f"{meta_file} is missing (an incomplete checkpoint)"
-    if not (path / "relax_state.json").is_file():
-        return f"{path / 'relax_state.json'} is missing (an incomplete checkpoint)"
-    ranks = sorted(actor.glob("rank*.pt"))
-    if not ranks:
-        return f"{actor} holds no rank*.pt file"
-    for file in [*ranks, *actor.glob("scheduler.pt")]:
-        try:  # torch.save files are zip archives whose directory is at the end: a cut file fails here
-            with zipfile.ZipFile(file):
-                pass
-        except (zipfile.BadZipFile, OSError) as exc:
-            return f"{file} is damaged or truncated ({exc})"
-    return None
-
-
-def complete_iterations(root: Path) -> list[int]:
-    out = []
-    for path in sorted(root.glob("iter_*")):
-        try:
-            rollout_id = int(path.name.split("_", 1)[1])
-        except ValueError:
-            continue
-        if checkpoint_problem(path) is None:
-            out.append(rollout_id)
-    return out
 
 
 def check_debug_file(template: str, rollout_id: int = 0) -> None:

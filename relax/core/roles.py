@@ -16,14 +16,28 @@ Roles built here, each one Ray actor per actor rank (the actor's parallel layout
     returns (relax.training.advantages) and hands the returns back in its result under
     `relax.training.step.CRITIC_RETURNS_KEY`, which `post_train` takes out of the metrics to train the critic
     (clipped value loss) and replaces by `critic/...` metrics. The critic is saved under `<iter dir>/critic`,
-    or `<--critic-save>/iter_XXXXXXX/critic` (with its own latest_checkpointed_iteration.txt).
+    or `<--critic-save>/iter_XXXXXXX/critic` (a save root of its own, with its own marker).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
+
+import ray
+from ray.util.placement_group import remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from relax.backends.megatron import checkpoint_layout
+from relax.config.env import worker_env
+from relax.core.checkpointing import keep_limit, rotate_checkpoints
+from relax.core.placement import create_placement_group
+from relax.roles.critic import CriticWorker
+from relax.roles.reference import ReferenceWorker
+from relax.rollout.teacher_client import SGLangTeacher
+from relax.training.step import CRITIC_RETURNS_KEY, needs_critic, needs_reference, needs_teacher
 
 logger = logging.getLogger(__name__)
 
@@ -59,14 +73,6 @@ class WorkerGroup:
     set up together (their own torch.distributed group), in a placement group named `relax-<name>`."""
 
     def __init__(self, name: str, worker_cls: Any, config: Any, *, use_gpu: bool, args: tuple = ()):
-        import os
-
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from relax.config.env import worker_env
-        from relax.core.placement import create_placement_group
-
         self.name = name
         self.workers: list[Any] = []
         self.placement_group = None
@@ -93,8 +99,6 @@ class WorkerGroup:
 
     def gather_rows(self, step: int, key: str) -> tuple[list[list[float]], list[int], float]:
         """(per-sample rows of `compute(step)[key]` in sample order, the samples' indices, seconds)."""
-        import ray
-
         parts = ray.get([w.compute.remote(step) for w in self.workers])
         rows: list[Any] = [None] * parts[0]["num_samples"]
         for part in parts:
@@ -105,19 +109,12 @@ class WorkerGroup:
         return rows, parts[0]["index"], max(p["seconds"] for p in parts)
 
     def save(self, path: str) -> None:
-        import ray
-
         ray.get([w.save.remote(path) for w in self.workers])
 
     def load(self, path: str) -> None:
-        import ray
-
         ray.get([w.load.remote(path) for w in self.workers])
 
     def shutdown(self) -> None:
-        import ray
-        from ray.util.placement_group import remove_placement_group
-
         for w in self.workers:
             try:
                 ray.get(w.shutdown.remote(), timeout=30)
@@ -139,8 +136,6 @@ class ReferenceGroup(WorkerGroup):
     """The reference role: one `ReferenceWorker` per actor rank, in its own placement group."""
 
     def __init__(self, config: Any, *, use_gpu: bool):
-        from relax.roles.reference import ReferenceWorker
-
         super().__init__("reference", ReferenceWorker, config, use_gpu=use_gpu, args=("reference",))
 
     def logprobs(self, step: int) -> tuple[list[list[float]], list[int], float]:
@@ -152,8 +147,6 @@ class TeacherGroup(WorkerGroup):
     """The on-policy-distillation teacher: forward-only `ReferenceWorker`s with role "teacher"."""
 
     def __init__(self, config: Any, *, use_gpu: bool):
-        from relax.roles.reference import ReferenceWorker
-
         super().__init__("teacher", ReferenceWorker, config, use_gpu=use_gpu, args=("teacher",))
 
     def logprobs(self, step: int) -> tuple[list[list[float]], list[int], float]:
@@ -164,16 +157,12 @@ class CriticGroup(WorkerGroup):
     """The critic role: one `CriticWorker` per actor rank, in its own placement group."""
 
     def __init__(self, config: Any, *, use_gpu: bool):
-        from relax.roles.critic import CriticWorker
-
         super().__init__("critic", CriticWorker, config, use_gpu=use_gpu)
 
     def values(self, step: int) -> tuple[list[list[float]], list[int], float]:
         return self.gather_rows(step, "values")
 
     def train(self, step: int, old_values: list[list[float]], returns: list[list[float]]) -> dict[str, float]:
-        import ray
-
         return ray.get([w.train.remote(step, old_values, returns) for w in self.workers])[0]
 
 
@@ -214,8 +203,6 @@ class TrainingAuxRoles(AuxRoles):
         return extras
 
     def post_train(self, step: int, metrics: dict[str, Any]) -> None:
-        from relax.training.step import CRITIC_RETURNS_KEY
-
         returns = metrics.pop(CRITIC_RETURNS_KEY, None)
         if self.critic is None:
             return
@@ -238,11 +225,11 @@ class TrainingAuxRoles(AuxRoles):
                 self.critic.save(str(Path(path) / "critic"))
 
     def load(self, path: str) -> None:
-        if self.reference is not None and (Path(path) / "reference" / "meta.json").is_file():
+        if self.reference is not None and checkpoint_layout.is_saved(Path(path) / "reference"):
             self.reference.load(str(Path(path) / "reference"))
         if self.critic is not None:
             for where in (self._critic_dir(path), Path(path) / "critic"):
-                if (where / "meta.json").is_file():
+                if checkpoint_layout.is_saved(where):
                     self.critic.load(str(where))
                     break
             else:
@@ -261,8 +248,6 @@ def build_aux_roles(config: Any, *, use_gpu: bool, data_plane: Any) -> AuxRoles:
     """Create the auxiliary role groups this config needs: a reference for --use-kl-loss / --kl-coef, a critic
     for --advantage-estimator ppo, a teacher for --use-opd --opd-type megatron (an HTTP client of --rm-url for
     --opd-type sglang)."""
-    from relax.training.step import needs_critic, needs_reference, needs_teacher
-
     if config.debug_rollout_only:
         return NoAuxRoles()
     groups: dict[str, Any] = {}
@@ -271,9 +256,7 @@ def build_aux_roles(config: Any, *, use_gpu: bool, data_plane: Any) -> AuxRoles:
             groups["reference"] = ReferenceGroup(config, use_gpu=use_gpu)
         if needs_teacher(config):
             groups["teacher"] = TeacherGroup(config, use_gpu=use_gpu)
-        elif getattr(config, "use_opd", False) and config.opd_type == "sglang":
-            from relax.rollout.teacher_client import SGLangTeacher
-
+        elif config.use_opd and config.opd_type == "sglang":
             groups["teacher"] = SGLangTeacher.from_config(config, data_plane)
         if needs_critic(config):
             groups["critic"] = CriticGroup(config, use_gpu=use_gpu)
@@ -288,25 +271,15 @@ def build_aux_roles(config: Any, *, use_gpu: bool, data_plane: Any) -> AuxRoles:
 
 
 def save_to_own_root(group: Any, root: Path, name: str, config: Any) -> Path:
-    """Save `group` as `root/<name>/critic` the way actor checkpoints are saved: written into a staging folder,
-    renamed into place, then the `latest_checkpointed_iteration.txt` marker (so --critic-load never sees a
-    partial save), and old iterations rotated with --max-actor-ckpt-to-keep / --rotate-ckpt."""
-    import shutil
-
-    from relax.core.checkpointing import MARKER, _keep_limit, _remove_leftovers, rotate_checkpoints
-
+    """Save `group` as `root/<name>/critic` (`name`: the run checkpoint's `iter_XXXXXXX`) the way run
+    checkpoints are saved: staged, renamed into place, then marked (so --critic-load never sees a partial
+    save), and old iterations rotated with --max-actor-ckpt-to-keep / --rotate-ckpt."""
+    rollout_id = int(name.rsplit("_", 1)[-1])
     root.mkdir(parents=True, exist_ok=True)
-    _remove_leftovers(root)
-    staging = root / f".tmp_{name}"
-    group.save(str(staging / "critic"))
-    final = root / name
-    if final.exists():
-        shutil.rmtree(final)
-    staging.rename(final)
-    iteration = int(name.rsplit("_", 1)[-1])
-    (root / "latest.tmp").write_text(str(iteration))
-    (root / "latest.tmp").replace(root / MARKER)
-    keep = _keep_limit(config)
+    checkpoint_layout.remove_leftovers(root)
+    group.save(str(checkpoint_layout.staging_dir(root, rollout_id) / "critic"))
+    final = checkpoint_layout.commit_iteration(root, rollout_id)
+    keep = keep_limit(config)
     if keep:
         rotate_checkpoints(root, keep)
     return final

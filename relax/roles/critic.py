@@ -19,20 +19,24 @@ import time
 from typing import Any
 
 import ray
+import torch
+from transformers import AutoConfig
 
+from relax.backends.megatron.arch import ModelArch
+from relax.backends.megatron.trainer import MegatronTrainer
+from relax.data.plane import DataPlane
 from relax.roles.megatron_rank import MegatronRank
+from relax.roles.trainer import trainer_settings
+from relax.training.step import train_critic
 
 
 def critic_settings(config: Any):
-    from relax.roles.trainer import trainer_settings
-
     base = trainer_settings(config)
     warmup = int(config.critic_lr_warmup_iters or 0)
     decay = base.lr_decay_iters
     if decay is not None and warmup >= decay:  # Megatron's scheduler needs decay steps beyond the warm-up
         decay = warmup + 1
-    return dataclasses.replace(base, value_head=True, lr=float(config.critic_lr if config.critic_lr is not None
-                                                                else config.lr),
+    return dataclasses.replace(base, value_head=True, lr=float(config.critic_lr),  # --critic-lr defaults to --lr
                                lr_warmup_iters=warmup, lr_decay_iters=decay, trainable_params=(), frozen_params=())
 
 
@@ -44,12 +48,6 @@ class CriticWorker(MegatronRank):
         super().__init__(config, rank, world_size, threads)
 
     def setup(self, master_addr: str, master_port: int, backend: str) -> dict[str, Any]:
-        from transformers import AutoConfig
-
-        from relax.backends.megatron.arch import ModelArch
-        from relax.backends.megatron.trainer import MegatronTrainer
-        from relax.data.plane import DataPlane
-
         self.join_process_group(master_addr, master_port, backend)
         arch = ModelArch.from_hf_config(AutoConfig.from_pretrained(self.config.hf_checkpoint))
         self.trainer = MegatronTrainer(arch, critic_settings(self.config))
@@ -64,8 +62,6 @@ class CriticWorker(MegatronRank):
 
     def compute(self, step: int) -> dict[str, Any]:
         """Values of this data-parallel rank's share (samples[dp_rank::dp]) of step `step`."""
-        import torch
-
         t0 = time.perf_counter()
         samples = self.data.get(step)
         layout = self.trainer.layout
@@ -77,7 +73,5 @@ class CriticWorker(MegatronRank):
                 "values": [v.tolist() for v in values], "seconds": time.perf_counter() - t0}
 
     def train(self, step: int, old_values: list[list[float]], returns: list[list[float]]) -> dict[str, float]:
-        from relax.training.step import train_critic
-
         samples = self.data.get(step)
         return train_critic(self.trainer, samples, self.config, old_values, returns, step)

@@ -17,22 +17,22 @@ import time
 from typing import Any
 
 import ray
+import torch
+from transformers import AutoConfig
 
+from relax.backends.megatron.arch import ModelArch
+from relax.backends.megatron.checkpoint_layout import read_meta, resolve_model_checkpoint
+from relax.backends.megatron.trainer import MegatronTrainer
+from relax.data.plane import DataPlane
 from relax.roles.megatron_rank import MegatronRank
+from relax.roles.trainer import trainer_settings
 
 
 def _checkpoint_arch(kind: str, where) -> Any:
     """The architecture of an HF folder, or the one a Relax checkpoint recorded (None if it has none)."""
-    import json
-    from pathlib import Path
-
-    from transformers import AutoConfig
-
-    from relax.backends.megatron.arch import ModelArch
-
     if kind == "hf":
         return ModelArch.from_hf_config(AutoConfig.from_pretrained(str(where)))
-    arch = json.loads((Path(where) / "meta.json").read_text()).get("arch")
+    arch = read_meta(where).get("arch")
     if not arch:
         return None
     return ModelArch(**{k: tuple(v) if isinstance(v, list) else v for k, v in arch.items()})
@@ -49,18 +49,9 @@ class ReferenceWorker(MegatronRank):
         self.role = role
 
     def setup(self, master_addr: str, master_port: int, backend: str) -> dict[str, Any]:
-        from transformers import AutoConfig
-
-        from relax.backends.megatron.arch import ModelArch
-        from relax.backends.megatron.trainer import MegatronTrainer
-        from relax.data.plane import DataPlane
-        from relax.roles.trainer import trainer_settings
-
         self.join_process_group(master_addr, master_port, backend)
         settings = trainer_settings(self.config, forward_only=True)
         if self.role == "teacher":
-            from relax.backends.megatron.checkpoint import resolve_model_checkpoint
-
             kind, where = resolve_model_checkpoint(self.config.opd_teacher_load, self.config.opd_teacher_ckpt_step)
             arch = _checkpoint_arch(kind, where) or ModelArch.from_hf_config(
                 AutoConfig.from_pretrained(self.config.hf_checkpoint))
@@ -79,8 +70,6 @@ class ReferenceWorker(MegatronRank):
 
     def compute(self, step: int) -> dict[str, Any]:
         """Reference log-probs of this data-parallel rank's share (samples[dp_rank::dp]) of step `step`."""
-        import torch
-
         t0 = time.perf_counter()
         samples = self.data.get(step)
         layout = self.trainer.layout

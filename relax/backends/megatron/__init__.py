@@ -10,6 +10,7 @@ Modules, one job each:
     batching    samples -> padded micro-batches
     optim       DDP wrapper, optimizer, LR scheduler
     checkpoint  atomic save / load of model, optimizer, scheduler, RNG
+    checkpoint_layout  the checkpoint files, folders and marker on disk (no torch)
     trainer     MegatronTrainer, TrainerSettings, LossFn
     testing     tiny models, toy data and multi-process helpers for tests
 

@@ -1,30 +1,46 @@
-"""Save and restore model, optimizer, scheduler and RNG state, atomically.
+"""Save and restore a Megatron trainer's state: model, optimizer, scheduler and RNG, atomically.
 
-Layout of a checkpoint folder (all ranks must see the same filesystem):
+File names, folders and the save-root protocol are in `relax.backends.megatron.checkpoint_layout`; this
+module writes and reads the files themselves (all ranks must see the same filesystem). Resuming needs
+the same parallel layout (tp, pp, ep, dp, world size).
 
-    meta.json                 iteration, parallel layout, arch (written last)
-    scheduler.pt              OptimizerParamScheduler state (same on all ranks)
-    rank{R:05d}.pt            per global rank: model shard, optimizer state, RNG
-
-Writes go to `<dir>.tmp` and are renamed into place once every rank is done,
-so a crash never leaves a half-written `<dir>`. Resuming needs the same
-parallel layout (tp, pp, ep, dp, world size).
+Two savers share one writer (`snapshot_rank` / `rank_state` -> `write_rank`, `checkpoint_meta`):
+- `save_checkpoint`: collective and synchronous, into `<dir>.tmp`, renamed into place once every rank is
+  done (a role saving its own folder, e.g. the critic or a refreshed reference);
+- the run checkpoint (`relax.core.checkpointing`): each rank snapshots its state to CPU memory with
+  `snapshot_rank` and writes it now or from a background thread (--async-save); the controller writes
+  meta.json once every rank is done.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import pickle
 import random
 import shutil
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 
+from relax.backends.megatron.checkpoint_layout import (
+    FORMAT,
+    SCHEDULER_FILE,
+    is_relax_checkpoint,
+    rank_file,
+    read_meta,
+    resolve_model_checkpoint,
+    write_meta,
+)
+from relax.backends.megatron.cpu_compat import apply_cpu_compat
 from relax.backends.megatron.hf_weights import unwrap_model
 from relax.backends.megatron.parallel import ParallelLayout
+from relax.weights.sync import _unshared, copy_model_files
 
 __all__ = [
     "save_checkpoint",
@@ -34,12 +50,18 @@ __all__ = [
     "optimizer_state",
     "set_optimizer_state",
     "load_model_state",
+    "load_weights_only",
     "is_relax_checkpoint",
     "resolve_model_checkpoint",
     "load_state_file",
+    "cpu_copy",
+    "RankSnapshot",
+    "snapshot_rank",
+    "write_rank",
+    "checkpoint_meta",
+    "finish_hf_folder",
 ]
 
-_FORMAT = 1
 
 
 def _numpy_state_to_safe(state: tuple) -> tuple:
@@ -163,6 +185,119 @@ def _layout_key(layout: ParallelLayout) -> dict[str, int]:
     return {k: getattr(layout, k) for k in ("world_size", "tp", "pp", "cp", "ep", "dp")}
 
 
+def _check_meta(meta: dict[str, Any], layout: ParallelLayout, hint: str = "") -> None:
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"unknown checkpoint format {meta.get('format')}")
+    if meta["layout"] != _layout_key(layout):
+        raise ValueError(f"checkpoint layout {meta['layout']} != current {_layout_key(layout)}{hint}")
+
+
+# ============================================================================ writing
+def cpu_copy(obj: Any) -> Any:
+    """A deep copy with every tensor cloned to CPU memory (a snapshot training cannot change)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        out = OrderedDict() if isinstance(obj, OrderedDict) else {}
+        for k, v in obj.items():
+            out[k] = cpu_copy(v)
+        if hasattr(obj, "_metadata"):  # nn.Module.state_dict's version info
+            out._metadata = copy.deepcopy(obj._metadata)
+        return out
+    if isinstance(obj, list):
+        return [cpu_copy(v) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(cpu_copy(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def _atomic_torch_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".part")
+    torch.save(obj, tmp)
+    tmp.replace(path)
+
+
+def rank_state(model, optimizer) -> dict[str, Any]:
+    """What a rank's file holds: its model shard, optimizer state (None without one) and RNG."""
+    return {"model": unwrap_model(model).state_dict(),
+            "optimizer": optimizer_state(optimizer) if optimizer is not None else None,
+            "rng": rng_state()}
+
+
+def checkpoint_meta(iteration: int, layout: ParallelLayout, extra_meta: dict[str, Any] | None = None) -> dict:
+    return {"format": FORMAT, "iteration": iteration, "layout": _layout_key(layout), **(extra_meta or {})}
+
+
+@dataclass
+class RankSnapshot:
+    """One rank's part of a checkpoint, in CPU memory: what `write_rank` puts on disk."""
+
+    rank: int
+    state: dict[str, Any]
+    scheduler: Optional[dict[str, Any]] = None  # rank 0
+    meta: Optional[dict[str, Any]] = None  # rank 0; written by whoever completes the checkpoint
+    hf_file: Optional[str] = None  # this pipeline stage's HF safetensors file (one writer per stage)
+    hf_tensors: Optional[list[tuple[str, torch.Tensor]]] = None
+
+    def hf_part(self) -> Optional[dict[str, Any]]:
+        """What `finish_hf_folder` needs to know of this rank's HF file (None when it writes none)."""
+        if not self.hf_tensors:
+            return None
+        return {"file": self.hf_file, "names": [n for n, _ in self.hf_tensors],
+                "bytes": sum(t.numel() * t.element_size() for _, t in self.hf_tensors)}
+
+
+@torch.no_grad()
+def snapshot_rank(trainer: Any, *, save_optim: bool, hf: bool = False) -> RankSnapshot:
+    """A CPU copy of this rank's state of a `MegatronTrainer` (and with `hf`, its HF weights: collective
+    over all ranks)."""
+    apply_cpu_compat()
+    rank = dist.get_rank()
+    optimizer = trainer.optimizer if save_optim else None
+    snap = RankSnapshot(rank=rank, state=cpu_copy(rank_state(trainer.model, optimizer)))
+    if rank == 0:
+        if trainer.scheduler is not None:
+            snap.scheduler = cpu_copy(trainer.scheduler.state_dict())
+        snap.meta = checkpoint_meta(trainer.iteration, trainer.layout, {
+            "arch": asdict(trainer.arch), "settings": asdict(trainer.settings),
+            "optimizer_saved": optimizer is not None})
+    if hf:
+        from megatron.core import parallel_state as ps  # megatron-core loads after apply_cpu_compat
+
+        named = [(n, t.detach().to("cpu", copy=True).contiguous()) for n, t in trainer.export_hf_weights()]
+        if (ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+                and ps.get_context_parallel_rank() == 0):
+            pp, stage = trainer.layout.pp, ps.get_pipeline_model_parallel_rank()
+            snap.hf_file = "model.safetensors" if pp == 1 else f"model-{stage + 1:05d}-of-{pp:05d}.safetensors"
+            snap.hf_tensors = named
+    return snap
+
+
+def write_rank(snap: RankSnapshot, folder: str | Path, hf_dir: str | Path | None = None) -> None:
+    """This rank's files under `folder` (each written whole, then renamed); its HF file under `hf_dir`."""
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    _atomic_torch_save(snap.state, out / rank_file(snap.rank))
+    if snap.scheduler is not None:
+        _atomic_torch_save(snap.scheduler, out / SCHEDULER_FILE)
+    if snap.hf_tensors and hf_dir is not None:
+        Path(hf_dir).mkdir(parents=True, exist_ok=True)
+        save_file(_unshared(dict(snap.hf_tensors)), str(Path(hf_dir) / snap.hf_file), metadata={"format": "pt"})
+
+
+def finish_hf_folder(folder: Path, parts: list[dict[str, Any]], source: Optional[str]) -> None:
+    """The ranks wrote their HF weight files into `folder`: add the config and tokenizer files of the
+    model folder `source` (--hf-checkpoint, a local folder: checked before the run starts) and, when the
+    weights are split by pipeline stage, the index."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if source:
+        copy_model_files(source, str(folder))
+    if len(parts) > 1 or (parts and parts[0]["file"] != "model.safetensors"):
+        weight_map = {n: p["file"] for p in parts for n in p["names"]}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": sum(p["bytes"] for p in parts)}, "weight_map": weight_map}, indent=1))
+
+
 @torch.no_grad()
 def save_checkpoint(
     path: str | Path,
@@ -184,26 +319,12 @@ def save_checkpoint(
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
-
-    torch.save(
-        {
-            "model": unwrap_model(model).state_dict(),
-            "optimizer": optimizer_state(optimizer) if optimizer is not None else None,
-            "rng": rng_state(),
-        },
-        tmp / f"rank{rank:05d}.pt",
-    )
-    if rank == 0 and scheduler is not None:
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    snap = RankSnapshot(rank=rank, state=rank_state(model, optimizer),
+                        scheduler=scheduler.state_dict() if rank == 0 and scheduler is not None else None)
+    write_rank(snap, tmp)
     dist.barrier()
     if rank == 0:
-        meta = {
-            "format": _FORMAT,
-            "iteration": iteration,
-            "layout": _layout_key(layout),
-            **(extra_meta or {}),
-        }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
+        write_meta(tmp, checkpoint_meta(iteration, layout, extra_meta))
         old = path.with_name(path.name + ".old")
         if old.exists():
             shutil.rmtree(old)
@@ -216,17 +337,15 @@ def save_checkpoint(
     return path
 
 
+# ============================================================================ reading
 @torch.no_grad()  # Megatron copies into views of parameters
 def load_checkpoint(path: str | Path, *, model, optimizer, scheduler, layout: ParallelLayout) -> int:
     """Restore a checkpoint written by `save_checkpoint`; returns its iteration."""
     path = Path(path)
-    meta = json.loads((path / "meta.json").read_text())
-    if meta.get("format") != _FORMAT:
-        raise ValueError(f"unknown checkpoint format {meta.get('format')}")
-    if meta["layout"] != _layout_key(layout):
-        raise ValueError(f"checkpoint layout {meta['layout']} != current {_layout_key(layout)}")
+    meta = read_meta(path)
+    _check_meta(meta, layout)
     rank = dist.get_rank()
-    state = load_state_file(path / f"rank{rank:05d}.pt", meta.get("iteration"))
+    state = load_state_file(path / rank_file(rank), meta.get("iteration"))
     unwrap_model(model).load_state_dict(state["model"], strict=True)
     if optimizer is not None:
         if state.get("optimizer") is None:
@@ -235,51 +354,30 @@ def load_checkpoint(path: str | Path, *, model, optimizer, scheduler, layout: Pa
     if scheduler is not None:
         # Megatron's scheduler adds the saved step count to its current one.
         scheduler.num_steps = 0
-        scheduler.load_state_dict(load_state_file(path / "scheduler.pt", meta.get("iteration")))
+        scheduler.load_state_dict(load_state_file(path / SCHEDULER_FILE, meta.get("iteration")))
     set_rng_state(state["rng"])
     dist.barrier()
     return int(meta["iteration"])
-
-
-def is_relax_checkpoint(path: str | Path) -> bool:
-    return (Path(path) / "meta.json").is_file() and (Path(path) / "rank00000.pt").is_file()
-
-
-def resolve_model_checkpoint(path: str | Path, step: Optional[int] = None, role: str = "actor") -> tuple[str, Path]:
-    """Where a model's weights are: ("relax", dir written by save_checkpoint) or ("hf", HF folder).
-
-    Accepts a checkpoint dir itself, a Relax save root (`latest_checkpointed_iteration.txt`,
-    `iter_XXXXXXX/<role>`; `step` picks an iteration, default the latest), one `iter_XXXXXXX` dir, or an
-    HF model folder (`config.json`).
-    """
-    p = Path(path)
-    if is_relax_checkpoint(p):
-        return "relax", p
-    marker = p / "latest_checkpointed_iteration.txt"
-    if step is not None or marker.is_file():
-        it = step if step is not None else int(marker.read_text().strip())
-        candidate = p / f"iter_{it:07d}" / role
-        if is_relax_checkpoint(candidate):
-            return "relax", candidate
-        raise FileNotFoundError(f"{p}: no {role} checkpoint for iteration {it} ({candidate} is missing)")
-    if is_relax_checkpoint(p / role):
-        return "relax", p / role
-    if (p / "config.json").is_file():
-        return "hf", p
-    raise FileNotFoundError(f"{p} is neither a Relax checkpoint (meta.json), a save root "
-                            "(latest_checkpointed_iteration.txt) nor a Hugging Face model folder (config.json)")
 
 
 @torch.no_grad()
 def load_model_state(path: str | Path, *, model, layout: ParallelLayout) -> int:
     """Load only the model weights of a checkpoint written by `save_checkpoint` (same layout)."""
     path = Path(path)
-    meta = json.loads((path / "meta.json").read_text())
-    if meta.get("format") != _FORMAT:
-        raise ValueError(f"unknown checkpoint format {meta.get('format')}")
-    if meta["layout"] != _layout_key(layout):
-        raise ValueError(f"checkpoint layout {meta['layout']} != current {_layout_key(layout)}; "
-                         "a model checkpoint loads only into the parallel layout that wrote it")
-    state = load_state_file(path / f"rank{dist.get_rank():05d}.pt", meta.get("iteration"))
+    meta = read_meta(path)
+    _check_meta(meta, layout, "; a model checkpoint loads only into the parallel layout that wrote it")
+    state = load_state_file(path / rank_file(dist.get_rank()), meta.get("iteration"))
     unwrap_model(model).load_state_dict(state["model"], strict=True)
     return int(meta["iteration"])
+
+
+def load_weights_only(trainer: Any, path: str | Path) -> int:
+    """--no-load-optim: the model weights and RNG of a checkpoint into a `MegatronTrainer`, whose optimizer
+    and scheduler start fresh; returns (and sets) the checkpoint's iteration."""
+    path = Path(path)
+    trainer.load_weights(str(path))
+    meta = read_meta(path)
+    state = load_state_file(path / rank_file(dist.get_rank()), meta.get("iteration"))
+    set_rng_state(state["rng"])
+    trainer.iteration = int(meta["iteration"])
+    return trainer.iteration
