@@ -70,6 +70,7 @@ def test_generate_derives_per_sample_seeds():
     gen.call_engine = fake_call
     try:
         gen.set_rollout_seed(1234)
+        gen._SLOTS.clear()  # slots handed out by rollouts of earlier tests in this process
 
         async def run(step):
             group = [Sample(group_index=9, prompt_tokens=[1, 2], rollout_step=step) for _ in range(4)]

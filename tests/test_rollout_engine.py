@@ -47,12 +47,13 @@ def make_config(assets, *extra):
                          "--output-dir", str(base / "out"), *extra])
 
 
-def make_ctx(config, url, source=None):
+def make_ctx(config, url, source=None, group_requests=False, max_concurrency=64):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(config.hf_checkpoint)
     return RolloutContext(args=config, tokenizer=tok, data_source=source or build_data_source(config),
-                          rewards=RewardRunner.from_args(config), router_url=url, engine_urls=[url])
+                          rewards=RewardRunner.from_args(config), router_url=url, engine_urls=[url],
+                          group_requests=group_requests, max_concurrency=max_concurrency)
 
 
 def rollout(ctx, step=0):
@@ -84,10 +85,11 @@ def test_default_hook_paths_are_the_real_defaults(assets):
     assert isinstance(build_data_source(config), Alias) and Alias is RolloutDataSourceWithBuffer
 
 
-def test_over_sampling_with_dynamic_filter_returns_surplus_to_buffer(assets, engine):
+@pytest.mark.parametrize("group_requests", [False, True], ids=["per-sample", "per-group"])
+def test_over_sampling_with_dynamic_filter_returns_surplus_to_buffer(assets, engine, group_requests):
     config = make_config(assets, "--over-sampling-batch-size", "3", "--rm-type", "random",
                          "--dynamic-sampling-filter-path", f"{__name__}.odd_prompt_filter")
-    ctx = make_ctx(config, engine)
+    ctx = make_ctx(config, engine, group_requests=group_requests)
     out = rollout(ctx)
     assert len(out.groups) == 2 and all(len(g) == 2 for g in out.groups)
     assert all(g[0].metadata["odd"] == 0 for g in out.groups)
@@ -98,7 +100,7 @@ def test_over_sampling_with_dynamic_filter_returns_surplus_to_buffer(assets, eng
     assert m["rollout/generated_groups"] == 3 and m["rollout/sampling_rounds"] == 1
     # a round bigger than needed: the completed surplus goes back to the buffer and is served first next time
     config2 = make_config(assets, "--over-sampling-batch-size", "3", "--rm-type", "random")
-    ctx2 = make_ctx(config2, engine)
+    ctx2 = make_ctx(config2, engine, group_requests=group_requests)
     out2 = rollout(ctx2)
     assert [g[0].metadata["prompt_index"] for g in out2.groups] == [0, 1]
     m2 = out2.metrics
@@ -111,6 +113,25 @@ def test_over_sampling_with_dynamic_filter_returns_surplus_to_buffer(assets, eng
     assert all(not s.response_tokens for g in returned for s in g)  # back as prompts: generated again later
     nxt = ctx2.data_source.get_samples(1)[0]
     assert nxt[0].metadata["prompt_index"] in {g[0].metadata["prompt_index"] for g in returned}
+
+
+def test_group_requests_answer_the_same_whatever_the_batching(assets, engine):
+    """A prompt group as one request (SGLang's `n`): every copy has its own seeded stream, so the answers
+    depend on (--rollout-seed, step, group, place) only, not on how many groups run at once; the copies
+    of a group differ from each other."""
+    answers = []
+    for concurrency in (2, 64):  # one group at a time, then all groups at once
+        config = make_config(assets, "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+                             "--rollout-max-response-len", "6", "--rollout-seed", "7", "--rm-type", "random")
+        ctx = make_ctx(config, engine, group_requests=True, max_concurrency=concurrency * 4)
+        out = rollout(ctx)
+        assert len(out.groups) == 4 and all(len(g) == 4 for g in out.groups)
+        for g in out.groups:
+            assert len({s.metadata["rid"] for s in g}) == 4
+            assert all(len(s.response_logprobs) == len(s.response_tokens) == len(s.loss_mask) for s in g)
+        answers.append([[s.response_tokens for s in g] for g in out.groups])
+    assert answers[0] == answers[1]
+    assert all(len({tuple(t) for t in g}) > 1 for g in answers[0])  # copies are not the same stream
 
 
 def test_dapo_filter_drops_zero_variance_groups(assets, engine):

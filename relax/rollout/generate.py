@@ -1,4 +1,4 @@
-"""Token-in/token-out generation through the router (or one engine), one sample at a time.
+"""Token-in/token-out generation through the router (or one engine).
 
 Prompts are sent as token ids, and the response tokens and their log-probs are taken from the
 engine's reply as they are (no re-tokenization), so what is trained is exactly what was generated.
@@ -11,7 +11,8 @@ serves it or a restart in between, so a resumed run regenerates exactly the roll
 
 `call_engine` is the single HTTP call (with timeout and retries) that the default per-sample
 generation and custom generate functions (multi-turn, tool calls) share. `generate_one` fills one
-sample's response, resuming an aborted partial response when the sample carries one.
+sample's response, resuming an aborted partial response when the sample carries one; `generate_group`
+fills a fresh prompt group with one request (SGLang's `n`), where the engine supports it.
 """
 
 from __future__ import annotations
@@ -158,15 +159,14 @@ def sample_payload_fields(sample: Sample) -> dict[str, Any]:
 UNAVAILABLE_BUDGET_S = 180.0  # how long "no engine available" (HTTP 503) is waited out before failing
 
 
-async def call_engine(session: aiohttp.ClientSession, url: str, input_ids: Sequence[int], sampling: dict, *,
-                      rid: str | None = None, timeout_s: float = 600.0, retries: int = 2,
-                      what: str = "request", extra: dict | None = None,
-                      unavailable_budget_s: float = UNAVAILABLE_BUDGET_S) -> EngineReply:
-    """POST {url}/generate with token ids; retries transport errors `retries` times, and waits out HTTP 503
-    (the router has no healthy engine for now, e.g. while its circuit breaker is open or an engine is being
-    replaced) with backoff for up to `unavailable_budget_s`; raises GenerationError at the end.
-    `extra`: more request fields (e.g. `image_data` of a multimodal sample)."""
-    payload = generate_payload(input_ids, sampling, rid=rid, extra=extra)
+async def post_generate(session: aiohttp.ClientSession, url: str, payload: dict, *, timeout_s: float = 600.0,
+                        retries: int = 2, what: str = "request",
+                        unavailable_budget_s: float = UNAVAILABLE_BUDGET_S) -> Any:
+    """POST {url}/generate with `payload` and return the decoded answer (one reply, or a list for a batch).
+
+    Retries transport errors `retries` times, and waits out HTTP 503 (the router has no healthy engine for
+    now, e.g. while its circuit breaker is open or an engine is being replaced) with backoff for up to
+    `unavailable_budget_s`; raises GenerationError at the end."""
     last_error = ""
     attempt = failures = 0
     started = time.monotonic()
@@ -181,7 +181,7 @@ async def call_engine(session: aiohttp.ClientSession, url: str, input_ids: Seque
                     status = resp.status
                     last_error = f"HTTP {resp.status}: {str(body)[:300]}"
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status, message=last_error)
-            break
+            return body
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             last_error = last_error or f"{type(exc).__name__}: {exc}"
             waited = time.monotonic() - started
@@ -195,6 +195,10 @@ async def call_engine(session: aiohttp.ClientSession, url: str, input_ids: Seque
                                       f"{waited:.0f} s: {last_error}") from None
             await asyncio.sleep(min(2.0, 0.2 * 2 ** failures))
             last_error = ""
+
+
+def engine_reply(body: dict) -> EngineReply:
+    """One /generate answer (SGLang's schema) as an EngineReply."""
     meta = body["meta_info"]
     pairs = meta.get("output_token_logprobs") or []
     try:
@@ -204,6 +208,18 @@ async def call_engine(session: aiohttp.ClientSession, url: str, input_ids: Seque
     return EngineReply(tokens=[int(p[1]) for p in pairs], logprobs=[float(p[0]) for p in pairs],
                        text=body.get("text", ""), finish=(meta.get("finish_reason") or {}).get("type"),
                        weight_version=version, raw=body)
+
+
+async def call_engine(session: aiohttp.ClientSession, url: str, input_ids: Sequence[int], sampling: dict, *,
+                      rid: str | None = None, timeout_s: float = 600.0, retries: int = 2,
+                      what: str = "request", extra: dict | None = None,
+                      unavailable_budget_s: float = UNAVAILABLE_BUDGET_S) -> EngineReply:
+    """One prompt's /generate call (see `post_generate` for retries and waiting out HTTP 503).
+    `extra`: more request fields (e.g. `image_data` of a multimodal sample)."""
+    payload = generate_payload(input_ids, sampling, rid=rid, extra=extra)
+    body = await post_generate(session, url, payload, timeout_s=timeout_s, retries=retries, what=what,
+                               unavailable_budget_s=unavailable_budget_s)
+    return engine_reply(body)
 
 
 def sample_rid(sample: Sample) -> str:
@@ -255,7 +271,7 @@ async def generate_one(session: aiohttp.ClientSession, url: str, sample: Sample,
     if return_routed_experts:
         extra = {**(extra or {}), **ROUTED_EXPERTS_FIELDS}
     reply = await call_engine(session, url, sample.prompt_tokens + done, params, rid=rid, timeout_s=timeout_s,
-                              retries=retries, what=f"sample {sample.index} (group {sample.group_index})",
+                              retries=retries, what=sample.describe(),
                               extra=extra)
     if return_routed_experts:
         _keep_routes(sample, reply, len(sample.prompt_tokens) + len(done))
@@ -269,6 +285,68 @@ async def generate_one(session: aiohttp.ClientSession, url: str, sample: Sample,
     sample.status = reply.status
     sample.weight_version = reply.weight_version
     return sample
+
+
+def group_request_ok(samples: Sequence[Sample], sampling: dict) -> bool:
+    """Whether a prompt group can be generated as one /generate request with SGLang's `n`: fresh samples of
+    one prompt (no partial response to resume), no per-sample request fields (multimodal inputs), and no
+    `sampling_seed` forced by the caller. Otherwise each sample is its own request (`generate_one`)."""
+    first = samples[0]
+    return (len(samples) > 1 and "sampling_seed" not in sampling and "n" not in sampling
+            and all(s.status != STATUS_ABORTED and not s.response_tokens and s.prompt_tokens == first.prompt_tokens
+                    and not sample_payload_fields(s) for s in samples))
+
+
+async def generate_group(session: aiohttp.ClientSession, url: str, samples: Sequence[Sample], sampling: dict, *,
+                         timeout_s: float = 600.0, retries: int = 2,
+                         max_context_len: int | None = None) -> list[Sample]:
+    """Fill a prompt group's responses with one request (`group_request_ok` must hold): the prompt once, with
+    SGLang's `n` = group size. One request instead of n saves the per-request HTTP, router and admission cost
+    (measured on 2 cores, 512 answers of 8 tokens through sglang-router: 2.5-5 s as single requests, 0.5-1 s
+    as groups of 16), and the engine prefills the prompt once for the whole group.
+
+    Seeds: the request's `sampling_seed` is the seed of the group's first sample (`sample_seed`, slot 0) and
+    the engine gives copy j the seed + j (the embedded engine's `n` semantics, see its server's
+    `build_requests`), so each answer is fixed by (--rollout-seed, step, group, place in group) whatever the
+    batching. Request ids: copy j of request id R is `R_j` (SGLang's convention for batches), which is what
+    an abort names."""
+    first = samples[0]
+    params = dict(sampling, n=len(samples))
+    if _ROLLOUT_SEED is not None:
+        params["sampling_seed"] = sample_seed(_ROLLOUT_SEED, int(first.rollout_step), int(first.group_index), 0)
+    if max_context_len:
+        room = max_context_len - len(first.prompt_tokens)
+        if room <= 0:
+            for s in samples:
+                s.response_tokens, s.response_logprobs, s.loss_mask = [], [], []
+                s.rollout_routed_experts = None
+                s.status = STATUS_TRUNCATED
+            return list(samples)
+        params["max_new_tokens"] = min(int(params["max_new_tokens"]), room)
+    rid = f"relax-{first.rollout_step}-g{first.group_index}-{id(first)}"
+    for j, s in enumerate(samples):
+        s.metadata["rid"] = f"{rid}_{j}"
+    body = await post_generate(session, url, generate_payload(first.prompt_tokens, params, rid=rid),
+                               timeout_s=timeout_s, retries=retries,
+                               what=f"group {first.group_index} ({len(samples)} samples)")
+    if not isinstance(body, list) or len(body) != len(samples):
+        raise GenerationError(f"group {first.group_index}: asked {url} for n={len(samples)} answers and got "
+                              f"{len(body) if isinstance(body, list) else 'one'}; the engine must support "
+                              "SGLang's `n` (parallel sampling)")
+    for s, answer in zip(samples, body):
+        _fill_fresh(s, engine_reply(answer))
+    return list(samples)
+
+
+def _fill_fresh(sample: Sample, reply: EngineReply) -> None:
+    """A sample's response is exactly the reply (no earlier partial response)."""
+    sample.response_tokens = list(reply.tokens)
+    sample.response_logprobs = list(reply.logprobs)
+    sample.loss_mask = [1] * len(reply.tokens)
+    sample.response_text = reply.text
+    sample.rollout_routed_experts = None
+    sample.status = reply.status
+    sample.weight_version = reply.weight_version
 
 
 def _keep_routes(sample: Sample, reply: EngineReply, context_len: int) -> None:

@@ -30,7 +30,7 @@ import aiohttp
 from relax.data.sample import STATUS_ABORTED, Sample
 from relax.rollout.buffer import is_generated, reset_group
 from relax.rollout.context import RolloutContext, RolloutOutput, load_hook
-from relax.rollout.generate import SamplingSettings, generate_one
+from relax.rollout.generate import SamplingSettings, generate_group, generate_one, group_request_ok
 
 logger = logging.getLogger(__name__)
 
@@ -108,8 +108,29 @@ async def agenerate_rollout(ctx: RolloutContext, rollout_id: int) -> RolloutOutp
             ctx.progress.update(1)
         return out
 
+    # A fresh group of one prompt is one request (SGLang's `n`) where the engines support it; a group request
+    # holds as many permits of the concurrency budget as it has samples, through its own semaphore.
+    by_group = (ctx.group_requests and custom is None
+                and not args.use_rollout_routing_replay)
+    group_limit = asyncio.Semaphore(max(1, ctx.max_concurrency // max(1, int(args.n_samples_per_prompt))))
+
+    async def run_fresh_group(group: list[Sample]) -> list[Sample]:
+        async with group_limit:
+            if stopping.is_set():
+                for s in group:
+                    s.status = STATUS_ABORTED
+                return group
+            out = await generate_group(ctx.session, ctx.router_url, group, sampling, timeout_s=ctx.timeout_s,
+                                       retries=ctx.retries)
+        if ctx.progress is not None:
+            ctx.progress.update(len(out))
+        return out
+
     async def run_group(group: list[Sample]) -> list[Sample]:
-        group = list(await asyncio.gather(*(run_sample(s) for s in group)))
+        if by_group and group_request_ok(group, sampling):
+            group = await run_fresh_group(group)
+        else:
+            group = list(await asyncio.gather(*(run_sample(s) for s in group)))
         if any(s.status == STATUS_ABORTED for s in group):
             return group  # not scored: it goes back to the buffer
         result = await ctx.rewards.ascore(group, group_size=len(group), assign=True)
