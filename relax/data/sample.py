@@ -86,6 +86,20 @@ class Sample:
     def total_length(self) -> int:
         return len(self.prompt_tokens) + len(self.response_tokens)
 
+    def describe(self, place: int | None = None) -> str:
+        """How error messages name this sample. During a rollout its global ``index`` is not assigned yet
+        (-1, given once the step's groups are complete), so it is named by its prompt group, its `place` in
+        the group when the caller knows it, the prompt's row in the data file and the rollout step."""
+        if self.index >= 0:
+            head = f"sample {self.index} of group {self.group_index}"
+        elif place is not None:
+            head = f"sample {place} of group {self.group_index}"
+        else:
+            head = f"a sample of group {self.group_index}"
+        row = (self.metadata or {}).get("prompt_index")
+        where = [f"prompt row {row}"] if row is not None else []
+        return f"{head} ({', '.join(where + [f'step {self.rollout_step}'])})"
+
     def validate(self) -> None:
         """Check per-token field lengths agree. ``response_logprobs`` / ``loss_mask`` may be
         empty (not reported) but, when given, must match ``response_tokens``."""
