@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 __all__ = ["MicroBatch", "make_micro_batches", "token_budget_groups", "RESERVED_KEYS"]
 
@@ -73,19 +74,21 @@ def _check_sample(i: int, sample: dict[str, Any]) -> tuple[torch.Tensor, int]:
 
 
 def _collate(samples: Sequence[dict[str, Any]], pad_id: int, seq_multiple: int) -> MicroBatch:
+    # Whole-batch tensor ops (padding, index arithmetic) rather than one small op per sample and field:
+    # collation of the 512 samples of a step took a quarter of the training time of a tiny model.
     checked = [_check_sample(i, s) for i, s in enumerate(samples)]
-    longest = max(t.numel() for t, _ in checked)
-    seq = math.ceil(longest / seq_multiple) * seq_multiple
-    resp_max = max(r for _, r in checked)
-    batch = len(samples)
-    tokens = torch.full((batch, seq), pad_id, dtype=torch.long)
-    logit_index = torch.zeros((batch, resp_max), dtype=torch.long)
-    mask = torch.zeros((batch, resp_max), dtype=torch.float32)
-    for b, (tok, resp) in enumerate(checked):
-        n = tok.numel()
-        tokens[b, :n] = tok
-        logit_index[b, :resp] = torch.arange(n - resp - 1, n - 1)
-        mask[b, :resp] = 1.0
+    lengths = torch.tensor([t.numel() for t, _ in checked], dtype=torch.long)
+    resps = torch.tensor([r for _, r in checked], dtype=torch.long)
+    seq = math.ceil(int(lengths.max()) / seq_multiple) * seq_multiple
+    resp_max = int(resps.max())
+    tokens = pad_sequence([t for t, _ in checked], batch_first=True, padding_value=pad_id)
+    if tokens.shape[1] < seq:
+        tokens = torch.nn.functional.pad(tokens, (0, seq - tokens.shape[1]), value=pad_id)
+    j = torch.arange(resp_max, dtype=torch.long)
+    valid = j.unsqueeze(0) < resps.unsqueeze(1)
+    mask = valid.to(torch.float32)
+    # response token j of sample b is predicted at position P + j - 1 (P = prompt length); 0 past the response
+    logit_index = torch.where(valid, (lengths - resps - 1).unsqueeze(1) + j.unsqueeze(0), 0)
     targets = tokens.gather(1, logit_index + 1)
     fields: dict[str, torch.Tensor] = {}
     keys = [k for k in samples[0] if k not in RESERVED_KEYS]
@@ -94,25 +97,24 @@ def _collate(samples: Sequence[dict[str, Any]], pad_id: int, seq_multiple: int) 
         first = values[0]
         if isinstance(first, torch.Tensor) and first.dim() == 1:
             dtype = first.dtype if first.is_floating_point() else torch.float32
-            out = torch.zeros((batch, resp_max), dtype=dtype)
-            for b, (value, (_, resp)) in enumerate(zip(values, checked)):
+            for value, (_, resp) in zip(values, checked):
                 if value.numel() != resp:
                     raise ValueError(f"sample field {key!r} has {value.numel()} entries, response has {resp}")
-                out[b, :resp] = value.to(out.dtype)
-            fields[key] = out
+            # rows are as long as their responses, so the padded width is the longest response
+            fields[key] = pad_sequence([v.to(dtype) for v in values], batch_first=True, padding_value=0.0)
         elif isinstance(first, (int, float, bool)) or (isinstance(first, torch.Tensor) and first.dim() == 0):
             fields[key] = torch.tensor([float(v) for v in values], dtype=torch.float32)
         # other values (strings, nested objects) are not model inputs: skipped
     if "loss_mask" in fields:
         mask = mask * (fields["loss_mask"] > 0).to(mask.dtype)
-    positions = torch.arange(seq, dtype=torch.long).unsqueeze(0).expand(batch, -1).contiguous()
+    positions = torch.arange(seq, dtype=torch.long).unsqueeze(0).expand(len(samples), -1).contiguous()
     return MicroBatch(
         tokens=tokens,
         position_ids=positions,
         logit_index=logit_index,
         targets=targets,
         mask=mask,
-        response_lengths=[r for _, r in checked],
+        response_lengths=resps.tolist(),
         fields=fields,
     )
 

@@ -29,7 +29,7 @@ from relax.backends.megatron.checkpoint import (
     resolve_model_checkpoint,
     save_checkpoint,
 )
-from relax.backends.megatron.cpu_compat import apply_cpu_compat, compute_device
+from relax.backends.megatron.cpu_compat import apply_cpu_compat, compute_device, native_device_ops
 from relax.backends.megatron.hf_weights import (
     export_hf_weights,
     load_hf_checkpoint_dir,
@@ -164,6 +164,13 @@ def step_shares(masks: Sequence[torch.Tensor], totals: Optional[Sequence[float]]
         out.append({"tokens": t / tokens if tokens > 0 else 1.0 / count,
                     "samples": n / samples if samples > 0 else 1.0 / count})
     return out
+
+
+def _native_step(step_fn, mb: MicroBatch, output: torch.Tensor):
+    """A micro-batch's loss (or forward-only result), without the CPU device-rewriting mode (see
+    `native_device_ops`)."""
+    with native_device_ops():
+        return step_fn(mb, output)
 
 
 def _free_port() -> int:
@@ -369,16 +376,17 @@ class MegatronTrainer:
             raise ValueError("every rank needs at least one sample")
         self._check_same_samples_in_replica(samples)
         multiple = self.settings.tp if self.config.sequence_parallel else 1
-        return [
-            mb.to(self._device)
-            for mb in make_micro_batches(
-                samples,
-                self.settings.micro_batch_size,
-                pad_id=self.settings.pad_token_id,
-                seq_multiple=multiple,
-                max_tokens=max_tokens,
-            )
-        ]
+        with native_device_ops():  # thousands of small tensor ops; `.to(self._device)` names the device itself
+            return [
+                mb.to(self._device)
+                for mb in make_micro_batches(
+                    samples,
+                    self.settings.micro_batch_size,
+                    pad_id=self.settings.pad_token_id,
+                    seq_multiple=multiple,
+                    max_tokens=max_tokens,
+                )
+            ]
 
     def _response_logprobs(
         self, logits: torch.Tensor, mb: MicroBatch, temperature: float, with_entropy: bool
@@ -418,10 +426,11 @@ class MegatronTrainer:
             mb = next(data_iterator)
             if hooks is not None:
                 hooks.before(mb)
-            output = model(mb.tokens, mb.position_ids, None)
+            with native_device_ops():
+                output = model(mb.tokens, mb.position_ids, None)
             if hooks is not None:
                 hooks.after(mb)
-            return output, partial(step_fn, mb)
+            return output, partial(_native_step, step_fn, mb)
 
         return get_forward_backward_func()(
             forward_step_func=forward_step,
