@@ -10,6 +10,7 @@ import pytest
 from relax.backends.embedded.launcher import EmbeddedServerProcess
 from relax.config import parse_config
 from relax.models.tiny import TinyArch, build_tiny_model_dir
+from relax.observability.accounting import step_problems
 from relax.rollout.buffer import RolloutDataSourceWithBuffer, build_data_source
 from relax.rollout.context import RolloutContext, load_hook
 from relax.rollout.rewards import RewardRunner
@@ -98,6 +99,9 @@ def test_over_sampling_with_dynamic_filter_returns_surplus_to_buffer(assets, eng
     # round 1: prompts 0,1,2 -> keeps 0 and 2, drops 1; nothing else needed (target 2)
     assert m["rollout/filtered_groups"] == 1 and m["rollout/filtered_groups/odd_prompt"] == 1
     assert m["rollout/generated_groups"] == 3 and m["rollout/sampling_rounds"] == 1
+    # the same in samples (sample accounting): 3 groups of 2 generated = 2 kept + 1 filtered
+    assert (m["samples/generated"], m["samples/kept"], m["samples/filtered/odd_prompt"]) == (6, 4, 2)
+    assert step_problems(m, trained_expected=False) == []
     # a round bigger than needed: the completed surplus goes back to the buffer and is served first next time
     config2 = make_config(assets, "--over-sampling-batch-size", "3", "--rm-type", "random")
     ctx2 = make_ctx(config2, engine, group_requests=group_requests)
@@ -109,6 +113,9 @@ def test_over_sampling_with_dynamic_filter_returns_surplus_to_buffer(assets, eng
     assert m2["rollout/aborted_samples"] <= 2
     returned = ctx2.data_source.buffer
     assert len(returned) == m2["rollout/returned_groups"] == 1
+    assert m2["samples/returned_surplus"] + m2["samples/returned_in_flight"] == 2
+    assert m2["samples/generated"] == m2["samples/kept"] + m2["samples/returned_surplus"]
+    assert step_problems(m2, trained_expected=False) == []
     assert returned[0][0].metadata["prompt_index"] == 2
     assert all(not s.response_tokens for g in returned for s in g)  # back as prompts: generated again later
     nxt = ctx2.data_source.get_samples(1)[0]

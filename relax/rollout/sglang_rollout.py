@@ -15,7 +15,8 @@
 
 Metrics say what happened: `rollout/filtered_groups` (and `rollout/filtered_groups/<reason>`),
 `rollout/returned_groups`, `rollout/aborted_samples`, `rollout/generated_groups`,
-`rollout/sampling_rounds`, `rollout/reward_errors`.
+`rollout/sampling_rounds`, `rollout/reward_errors`, and the same in samples as the step's sample accounting
+(`samples/*`, see `relax.observability.accounting`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any, Callable, Optional
 import aiohttp
 
 from relax.data.sample import STATUS_ABORTED, Sample
+from relax.observability.accounting import rollout_accounting
 from relax.rollout.buffer import is_generated, reset_group
 from relax.rollout.context import RolloutContext, RolloutOutput, load_hook
 from relax.rollout.generate import SamplingSettings, generate_group, generate_one, group_request_ok
@@ -89,7 +91,8 @@ async def agenerate_rollout(ctx: RolloutContext, rollout_id: int) -> RolloutOutp
     sampling = SamplingSettings.from_config(args).to_sglang()
     limit = asyncio.Semaphore(ctx.max_concurrency)
     counts: collections.Counter = collections.Counter()
-    reasons: collections.Counter = collections.Counter()
+    reasons: collections.Counter = collections.Counter()  # filtered groups by reason
+    filtered_samples: collections.Counter = collections.Counter()
 
     stopping = asyncio.Event()
 
@@ -165,12 +168,18 @@ async def agenerate_rollout(ctx: RolloutContext, rollout_id: int) -> RolloutOutp
                         back.append(group)
                         continue
                     counts["generated_groups"] += 1
+                    counts["generated_samples"] += len(group)
                     if dyn_filter is not None:
                         keep, reason = filter_verdict(dyn_filter, args, group)
                         if not keep:
                             reasons[reason] += 1
+                            filtered_samples[reason] += len(group)
                             continue
-                    (kept if len(kept) < target else back).append(group)
+                    if len(kept) < target:
+                        kept.append(group)
+                    else:
+                        back.append(group)
+                        counts["surplus_samples"] += len(group)
             if pending:  # the target is reached: stop what is still running
                 stopping.set()
                 rids = [s.metadata["rid"] for g in pending.values() for s in g
@@ -208,4 +217,9 @@ async def agenerate_rollout(ctx: RolloutContext, rollout_id: int) -> RolloutOutp
     }
     for reason, n in reasons.items():
         metrics[f"rollout/filtered_groups/{reason}"] = float(n)
+    metrics.update(rollout_accounting(
+        generated=counts["generated_samples"], kept=sum(len(g) for g in kept), filtered=filtered_samples,
+        returned_surplus=counts["surplus_samples"],
+        returned_in_flight=sum(len(g) for g in back) - counts["surplus_samples"]))
+    metrics["samples/reward_failed"] = float(counts["reward_errors"])
     return RolloutOutput(groups=kept, metrics=metrics)
