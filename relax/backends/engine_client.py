@@ -2,7 +2,12 @@
 
 Works against the embedded engine, real SGLang and the sglang-router (for the endpoints a router
 forwards). Every call has a timeout; a failure raises `EngineRequestError`, whose message names
-the engine URL and the endpoint.
+the engine URL and the endpoint (and, for a request that got no answer in time, the flag that set
+the deadline when the client was given one, `deadline_flag`).
+
+Weight pushes build on this client in `relax.weights` (which imports it, never the other way round,
+except for the payload format of `relax.weights.serialize`); the distributed group is
+`relax.weights.distributed.WeightUpdateGroup`.
 """
 
 from __future__ import annotations
@@ -24,11 +29,13 @@ logger = logging.getLogger(__name__)
 class EngineRequestError(RuntimeError):
     """An engine request failed (connection error, timeout, non-2xx answer, success=false)."""
 
-    def __init__(self, base_url: str, endpoint: str, message: str, status: int | None = None, body: Any = None):
+    def __init__(self, base_url: str, endpoint: str, message: str, status: int | None = None, body: Any = None,
+                 *, timed_out: bool = False):
         self.base_url = base_url
         self.endpoint = endpoint
         self.status = status
         self.body = body
+        self.timed_out = timed_out
         where = f"{base_url}{endpoint}"
         code = f" HTTP {status}" if status is not None else ""
         super().__init__(f"engine request {where} failed{code}: {message}")
@@ -36,14 +43,15 @@ class EngineRequestError(RuntimeError):
 
 class EngineClient:
     """`api_key`: what control calls present (`relax.backends.auth`); default the run's key from the
-    environment."""
+    environment. `deadline_flag`: the flag `timeout_s` came from, named when a request gets no answer."""
 
     def __init__(self, base_url: str, timeout_s: float = 600.0, *, session: requests.Session | None = None,
-                 api_key: str | None = None):
+                 api_key: str | None = None, deadline_flag: str | None = None):
         if not base_url.startswith(("http://", "https://")):
             base_url = "http://" + base_url
         self.base_url = base_url.rstrip("/")
         self.timeout_s = float(timeout_s)
+        self.deadline_flag = deadline_flag
         self.session = session or requests.Session()
         self.session.headers.update(auth_headers(api_key))
         self._has_begin_end: bool | None = None
@@ -72,8 +80,10 @@ class EngineClient:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         try:
             resp = self.session.request(method, url, json=payload, timeout=timeout)
-        except requests.Timeout as exc:
-            raise EngineRequestError(self.base_url, endpoint, f"timed out after {timeout:.1f}s ({exc})") from None
+        except requests.Timeout:
+            flag = f" ({self.deadline_flag})" if self.deadline_flag else ""
+            raise EngineRequestError(self.base_url, endpoint, f"timed out: no answer within {timeout:g} s{flag}",
+                                     timed_out=True) from None
         except requests.RequestException as exc:
             raise EngineRequestError(self.base_url, endpoint, f"{type(exc).__name__}: {exc}") from None
         if resp.status_code == 404 and allow_404:
@@ -240,7 +250,7 @@ class EngineClient:
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
         return self._post("/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
 
-    # --- distributed (gloo/NCCL broadcast); the group logic lives in relax.weights.distributed ----
+    # --- distributed (gloo/NCCL broadcast): the group (relax.weights.distributed) posts these ----
     def _post_init_group(self, **payload: Any) -> dict:
         return self._post("/init_weights_update_group", payload, check_success=True)
 
@@ -250,38 +260,6 @@ class EngineClient:
             return self._post("/update_weights_from_distributed", payload, check_success=True)
         finally:
             self._end_weight_update()
-
-    def init_weights_group(
-        self,
-        master_address: str,
-        master_port: int,
-        *,
-        group_name: str = "relax_weight_update",
-        backend: str = "gloo",
-        timeout_s: float = 600.0,
-    ):
-        """Join a weight-update group with this one engine; returns a `WeightUpdateGroup`."""
-        from relax.weights.distributed import WeightUpdateGroup
-
-        group = WeightUpdateGroup(
-            [self],
-            master_address=master_address,
-            master_port=master_port,
-            group_name=group_name,
-            backend=backend,
-            timeout_s=timeout_s,
-        )
-        group.init()
-        return group
-
-    def update_weights_from_distributed(
-        self,
-        group,
-        named_tensors: Sequence[tuple[str, torch.Tensor]],
-        weight_version: str | None = None,
-    ) -> None:
-        """Broadcast `named_tensors` to this engine over `group` (from `init_weights_group`)."""
-        group.update(named_tensors, weight_version=weight_version)
 
 
 def update_weights_from_tensor_many(

@@ -171,11 +171,13 @@ class ManagedProcess:
                 pass
 
     def stop(self, timeout_s: float = 10.0) -> int | None:
-        """SIGTERM the process group, wait up to `timeout_s`, then SIGKILL. Idempotent."""
+        """SIGTERM (and SIGCONT) the process group, wait up to `timeout_s`, then SIGKILL. Idempotent."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
             self._signal_group(signal.SIGTERM)
+            # A stopped process (SIGSTOP, a debugger) holds SIGTERM pending until it runs again.
+            self._signal_group(signal.SIGCONT)
             try:
                 self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:

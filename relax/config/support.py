@@ -36,6 +36,8 @@ _E2E_LOOP = {
     "rollout_skip_special_tokens",
     # rewards
     "rm_type", "custom_rm_path", "reward_key", "group_rm", "rm_url", "reward_error_policy", "reward_timeout",
+    # deadlines of the calls into engines, router, storage units and trainer ranks (relax.core.deadlines)
+    "generate_timeout", "weight_update_timeout", "engine_control_timeout", "train_step_timeout",
     # algorithm
     "advantage_estimator", "normalize_advantages", "disable_grpo_std_normalization",
     "disable_rewards_normalization", "eps_clip", "eps_clip_high", "eps_clip_c", "entropy_coef", "sapo_tau_pos",

@@ -36,7 +36,8 @@ class ColocateProtocol:
         self.workers = list(workers)
         self.offload_train = bool(config.offload_train) and bool(self.workers) and not config.debug_rollout_only
         self.offload_rollout = bool(config.offload_rollout) and bool(engine_urls) and not config.rollout_external
-        self.clients = [EngineClient(u) for u in engine_urls] if self.offload_rollout else []
+        control = {"timeout_s": config.engine_control_timeout, "deadline_flag": "--engine-control-timeout"}
+        self.clients = [EngineClient(u, **control) for u in engine_urls] if self.offload_rollout else []
         self.trainer_offloaded = False
         self.released: set[str] = set()
 

@@ -55,10 +55,14 @@ class RolloutContext:
     engine_urls: Sequence[str] = ()
     progress: Any = None
     session: Any = None  # the aiohttp session of the running step (set by the rollout function)
-    timeout_s: float = 600.0
+    timeout_s: Optional[float] = None  # one engine request; None: --generate-timeout (600 s when args lack it)
     retries: int = 2
     max_concurrency: int = 64
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.timeout_s is None:
+            self.timeout_s = float(getattr(self.args, "generate_timeout", None) or 600.0)
 
     async def engine_generate(self, input_ids: Sequence[int], sampling_params: dict, *, rid: Optional[str] = None,
                               extra: Optional[dict] = None):

@@ -21,13 +21,12 @@ import inspect
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:  # pragma: no cover
-    from relax.backends.engine_client import EngineClient
+from relax.backends.engine_client import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +134,7 @@ class WeightUpdateGroup:
 
     def __init__(
         self,
-        clients: Sequence["EngineClient"],
+        clients: Sequence[EngineClient],
         *,
         master_address: str,
         master_port: int,

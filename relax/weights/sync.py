@@ -23,17 +23,24 @@ timed-out sync raises `WeightSyncError` naming the engine; nothing is left silen
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
+from urllib.parse import urlparse
 
 import torch
+from safetensors.torch import save_file
 
-from relax.backends.engine_client import EngineClient, update_weights_from_tensor_many
+from relax.backends.engine_client import EngineClient, EngineRequestError, update_weights_from_tensor_many
+from relax.backends.net import find_free_port
+from relax.weights import shm
+from relax.weights.distributed import WeightUpdateGroup
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +66,15 @@ class WeightSync:
     method = "?"
 
     def __init__(self, engine_urls: Sequence[str], *, buffer_bytes: int = 512 << 20, timeout_s: float = 300.0,
-                 check_equal: bool = False, **_: Any):
+                 check_equal: bool = False, deadline_flag: str | None = None, **_: Any):
+        """`timeout_s`: each request to an engine (a chunk, the version check); `deadline_flag`: the flag it
+        came from (--weight-update-timeout in a run), named when an engine does not answer in time."""
         self.engine_urls = [u if u.startswith(("http://", "https://")) else "http://" + u for u in engine_urls]
         self.buffer_bytes = int(buffer_bytes)
         self.timeout_s = float(timeout_s)
         self.check_equal = bool(check_equal)
-        self.clients = [EngineClient(u, timeout_s=self.timeout_s) for u in self.engine_urls]
+        self.clients = [EngineClient(u, timeout_s=self.timeout_s, deadline_flag=deadline_flag)
+                        for u in self.engine_urls]
         self.pushes = 0
 
     # ------------------------------------------------------------------ public
@@ -136,7 +146,7 @@ class WeightSync:
         except WeightSyncError as exc:
             return exc
         except Exception as exc:
-            return WeightSyncError(f"{self.method} weight sync to engine {client.base_url} failed: {exc}",
+            return WeightSyncError(f"{self.method} weight push to engine {client.base_url} failed: {exc}",
                                    client.base_url)
 
     def _check_equal(self, client: EngineClient, named: NamedTensors, version: str) -> None:
@@ -196,12 +206,16 @@ class TensorSync(WeightSync):
         if self.use_shm is False:
             return False
         if self._capable is None:
-            from relax.weights.shm import shm_capable
-
-            try:
-                self._capable = all(shm_capable(c.server_info()) for c in self.clients)
-            except Exception:
-                return False  # unreachable engine: the pickled path raises an error naming it
+            infos = []
+            for c in self.clients:
+                try:
+                    infos.append(c.server_info())
+                except EngineRequestError as exc:
+                    if exc.status is None:  # no answer at all: the pickled path would only wait for it again
+                        raise WeightSyncError(f"{self.method} weight push to engine {c.base_url} failed: {exc}",
+                                              c.base_url) from None
+                    return False  # an engine without /server_info: the pickled path raises what it has to
+            self._capable = all(shm.shm_capable(info) for info in infos)
         return self._capable
 
     def _send(self, named: NamedTensors, version: str) -> None:
@@ -214,11 +228,9 @@ class TensorSync(WeightSync):
                                             load_format=self.load_format, pool=self.clients[0].buffer_pool)
         except Exception as exc:
             url = getattr(exc, "base_url", None) or ", ".join(self.engine_urls)
-            raise WeightSyncError(f"tensor weight sync to engine {url} failed: {exc}", url) from None
+            raise WeightSyncError(f"tensor weight push to engine {url} failed: {exc}", url) from None
 
     def _send_shm(self, named: NamedTensors, version: str) -> None:
-        from relax.weights import shm
-
         slot = shm.slot_bytes_for(named, self.buffer_bytes)
         if self.segment is None or self.segment.nbytes < 2 * slot:
             self._close_segment()
@@ -265,8 +277,6 @@ def write_safetensors_dir(named: NamedTensors, path: str, *, source_dir: str | N
                           max_shard_bytes: int = 4 << 30) -> list[str]:
     """Write `named` as HF safetensors shards (with an index when sharded) into folder `path`; copy the
     non-weight files (config, generation config, tokenizer) of `source_dir` when given. Returns the files."""
-    from safetensors.torch import save_file
-
     os.makedirs(path, exist_ok=True)
     if source_dir and os.path.isdir(source_dir):
         copy_model_files(source_dir, path)
@@ -285,8 +295,6 @@ def write_safetensors_dir(named: NamedTensors, path: str, *, source_dir: str | N
         files.append("model.safetensors")
         save_file(_unshared(shards[0]), os.path.join(path, files[0]), metadata={"format": "pt"})
     else:
-        import json
-
         weight_map = {}
         for i, shard in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -342,9 +350,6 @@ class DistributedSync(WeightSync):
     def _ensure_group(self) -> None:
         if self.group is not None:
             return
-        from relax.backends.net import find_free_port
-        from relax.weights.distributed import WeightUpdateGroup
-
         address = self.master_address or _local_address(self.engine_urls)
         group = WeightUpdateGroup(self.clients, master_address=address, master_port=find_free_port(),
                                   group_name=self.group_name, backend=self.backend, timeout_s=self.timeout_s)
@@ -362,7 +367,7 @@ class DistributedSync(WeightSync):
         except Exception as exc:
             url = getattr(exc, "base_url", None) or ", ".join(self.engine_urls)
             self.close_group()  # a broken group cannot be reused: the next push makes a new one
-            raise WeightSyncError(f"distributed weight sync to engine {url} failed: {exc}", url) from None
+            raise WeightSyncError(f"distributed weight push to engine {url} failed: {exc}", url) from None
 
     def close_group(self) -> None:
         if self.group is not None:
@@ -379,13 +384,9 @@ class DistributedSync(WeightSync):
 
 def _local_address(engine_urls: Sequence[str]) -> str:
     """An address of this host that the engines can reach (loopback when they all run here)."""
-    from urllib.parse import urlparse
-
     hosts = {urlparse(u).hostname for u in engine_urls}
     if hosts <= {"127.0.0.1", "localhost", "::1"}:
         return "127.0.0.1"
-    import socket
-
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((next(h for h in hosts if h not in {"127.0.0.1", "localhost"}), 9))
         return s.getsockname()[0]
@@ -406,7 +407,7 @@ _LIVE: dict[tuple, WeightSync] = {}
 
 
 def get_weight_sync(method: str, engine_urls: Sequence[str], **kw: Any) -> WeightSync:
-    key = (method, tuple(engine_urls), kw.get("check_equal", False), kw.get("buffer_bytes"))
+    key = (method, tuple(engine_urls), kw.get("check_equal", False), kw.get("buffer_bytes"), kw.get("timeout_s"))
     sync = _LIVE.get(key)
     if sync is None:
         for k in [k for k in _LIVE if k[0] == method]:  # other engines or settings: replace it
@@ -434,10 +435,13 @@ def push_named_tensors(named: NamedTensors, engine_urls: Sequence[str], version:
 
 def push_for_config(named: NamedTensors, engine_urls: Sequence[str], version: int, config: Any) -> dict:
     """`push_named_tensors` with the run's settings: `--update-weight-buffer-size`,
-    `--check-weight-update-equal` and the sync method (`weight_sync_method` when the config has it,
-    else the environment variable RELAX_WEIGHT_SYNC, else "tensor")."""
+    `--check-weight-update-equal`, `--weight-update-timeout` (each request to an engine) and the sync method
+    (`weight_sync_method` when the config has it, else the environment variable RELAX_WEIGHT_SYNC, else
+    "tensor")."""
     get = config.get if hasattr(config, "get") else (lambda k, d=None: getattr(config, k, d))
     method = get("weight_sync_method", None) or os.environ.get("RELAX_WEIGHT_SYNC") or "tensor"
     return push_named_tensors(named, engine_urls, version, get("update_weight_buffer_size", 512 << 20),
-                              method=method, check_equal=bool(get("check_weight_update_equal", False)),
+                              timeout_s=float(get("weight_update_timeout", 300.0)), method=method,
+                              check_equal=bool(get("check_weight_update_equal", False)),
+                              deadline_flag="--weight-update-timeout",
                               source_dir=get("hf_checkpoint", None) if method == "disk" else None)

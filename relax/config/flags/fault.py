@@ -24,3 +24,23 @@ def add_flags(parser):
                    help="Seconds to let in-flight requests finish before aborting them on scale-in.")
     g.add_argument("--scale-in-shutdown-timeout", type=float, default=30.0,
                    help="Seconds for an engine to stop gracefully before it is killed.")
+
+    # Relax's own flags: every call the run makes into an engine, the router, a storage unit or a trainer rank
+    # has a deadline (relax.core.deadlines); a call past its deadline stops the run with one line naming the
+    # component, its address and what it was doing. The reward deadline is --reward-timeout.
+    g = parser.add_argument_group("Deadlines")
+    g.add_argument("--generate-timeout", type=float, default=600.0,
+                   help="Seconds one generation request (/generate through the router) may take. A request that "
+                        "has not answered by then is tried again twice; the third miss stops the run, naming the "
+                        "sample, the router and any engine that no longer answers its health check.")
+    g.add_argument("--weight-update-timeout", type=float, default=300.0,
+                   help="Seconds each request of a weight push to an engine (one chunk of weights, the version "
+                        "check) may take; past it the run stops naming the engine.")
+    g.add_argument("--engine-control-timeout", type=float, default=60.0,
+                   help="Seconds a control request may take: engine memory release/resume, health checks, the "
+                        "driver's calls into the data plane's storage units; also the time each role gets to stop "
+                        "at shutdown before it is killed.")
+    g.add_argument("--train-step-timeout", type=float, default=3600.0,
+                   help="Seconds one call into the trainer ranks (and reference/critic ranks) may take: a training "
+                        "step, reference log-probs, the weight export and push, a checkpoint save. Past it the run "
+                        "stops naming the ranks that have not answered. 0 waits without a deadline.")
