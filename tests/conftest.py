@@ -26,6 +26,56 @@ def prompt_file(tmp_path):
     return str(path)
 
 
+# One local Ray cluster for every test that runs roles in this process: a start costs 5-13 s on 2 cores, and
+# ~25 tests used to start their own. A Controller reuses a running Ray (and leaves it running); tests check
+# instead that its shutdown gave back every resource (`assert_ray_released`). Subprocess runs (`relax_cli`)
+# start their own cluster as users' runs do.
+SHARED_RAY_CPUS = 32
+
+
+def shared_ray():
+    """The session's Ray (started on first use with the workers' environment and the run's engine key)."""
+    import ray
+
+    from relax.backends.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
+    from relax.config.env import worker_env
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=SHARED_RAY_CPUS, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {**worker_env(), ENGINE_API_KEY_ENV: ensure_engine_api_key()}})
+    return ray
+
+
+@pytest.fixture
+def ray_session():
+    return shared_ray()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def assert_ray_released(timeout_s: float = 30.0) -> None:
+    """Everything a Controller (or a test) took from the shared cluster is given back: actors killed and
+    placement groups removed, so every CPU is free again."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        free = ray.available_resources().get("CPU", 0.0)
+        if free >= ray.cluster_resources().get("CPU", 0.0):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the shared Ray cluster still has {ray.cluster_resources()['CPU'] - free:g} CPU(s) "
+                                 "held after shutdown (an actor or placement group was left behind)")
+        time.sleep(0.2)
+
+
 def run_steps(config, after_start=None) -> list[dict]:
     """Start a Controller for `config`, run all its steps, shut it down (also on failure), and return the
     records of `<output-dir>/metrics.jsonl`. `after_start(controller)` runs between start and run."""
@@ -33,6 +83,7 @@ def run_steps(config, after_start=None) -> list[dict]:
 
     from relax.core.controller import Controller
 
+    shared_ray()
     controller = Controller(config)
     try:
         controller.start()
@@ -41,5 +92,6 @@ def run_steps(config, after_start=None) -> list[dict]:
         controller.run()
     finally:
         controller.shutdown()
+    assert_ray_released()
     path = Path(config.output_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]

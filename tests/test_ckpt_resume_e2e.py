@@ -4,18 +4,24 @@ checkpoint (what a run killed after step 2 leaves) give identical rollouts, loss
 The rollouts repeat because every request carries a sampling seed derived from --rollout-seed, the step
 and the sample (relax.rollout.generate), which the embedded engine honours whatever the batching."""
 
+import pytest
 import json
 import shutil
 
 import torch
+
+from conftest import shared_ray
 
 from relax.config import parse_config
 from relax.core.controller import Controller
 from relax.models.tasks import generate_task_dataset
 from relax.models.tiny import TinyArch, build_tiny_model_dir
 
+pytestmark = pytest.mark.e2e  # a whole run: Ray, trainer, engines (deselect with -m 'not e2e')
+
 
 def _run(args):
+    shared_ray()
     controller = Controller(parse_config(args))
     try:
         controller.start()

@@ -11,6 +11,8 @@ import pytest
 import ray
 import torch
 
+from conftest import shared_ray
+
 from relax.config import parse_config
 from relax.core import checkpointing
 from relax.core.checkpointing import CheckpointError, resume_from, save_checkpoint, wait_for_pending_save
@@ -79,7 +81,7 @@ def env(tmp_path_factory):
               "--lr", "1e-2", "--num-rollout", "100", "--micro-batch-size", "2", "--rollout-batch-size", "2",
               "--n-samples-per-prompt", "2",
               "--resource", '{"actor": [1, 1], "rollout": [1, 1]}']
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    shared_ray()
     plane = DataPlane.start(1, capacity_samples=16, layout="packed")
     worker = TrainerWorker.options(num_cpus=1).remote(parse_config(common), 0, 1, 1)
     addr, port = ray.get(worker.master_address.remote())
@@ -96,8 +98,8 @@ def env(tmp_path_factory):
         yield SimpleNamespace(base=base, model=model, worker=worker, rollout=rollout, controller=controller)
     finally:
         ray.kill(worker)
+        ray.kill(rollout)
         plane.shutdown()
-        ray.shutdown()
 
 
 def test_crash_mid_save_keeps_previous_checkpoint(env, tmp_path, monkeypatch):

@@ -15,12 +15,16 @@ import json
 import pytest
 import ray
 
+from conftest import shared_ray
+
 from relax.backends.engine_client import EngineClient
 from relax.config import parse_config
 from relax.config.errors import ConfigError
 from relax.core.controller import Controller
 from relax.models.tasks import generate_task_dataset
 from relax.models.tiny import TinyArch, build_tiny_model_dir
+
+pytestmark = pytest.mark.e2e  # whole runs: Ray, trainer, engines (deselect with -m 'not e2e')
 
 RUNS: dict = {}
 
@@ -47,6 +51,7 @@ def _argv(assets, name, steps, *extra):
 def _run(assets, name, steps, *extra):
     """Run the controller; return the metrics by step, the rollouts by step, and each engine's event log."""
     config = parse_config(_argv(assets, name, steps, *extra))
+    shared_ray()
     controller = Controller(config)
     try:
         controller.start()

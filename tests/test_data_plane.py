@@ -12,6 +12,8 @@ os.environ.setdefault("TQ_NUM_THREADS", "1")
 import pytest  # noqa: E402
 import ray  # noqa: E402
 
+from conftest import shared_ray
+
 from relax.data.plane import DataPlane  # noqa: E402
 from relax.data.sample import Sample  # noqa: E402
 
@@ -51,15 +53,12 @@ def make_samples(n, step=0, start=0, seed=0):
 
 @pytest.fixture(scope="module")
 def owner():
-    ray.init(num_cpus=16, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    shared_ray()
+    dp = DataPlane.start(num_storage_units=2, capacity_samples=CAPACITY)  # layout "columns"
     try:
-        dp = DataPlane.start(num_storage_units=2, capacity_samples=CAPACITY)  # layout "columns"
-        try:
-            yield dp
-        finally:
-            dp.shutdown()
+        yield dp
     finally:
-        ray.shutdown()
+        dp.shutdown()
 
 
 @pytest.fixture(scope="module", params=["columns", "packed"])

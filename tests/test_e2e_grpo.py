@@ -7,10 +7,14 @@ import psutil
 import pytest
 import ray
 
+from conftest import assert_ray_released, shared_ray
+
 from relax.config import parse_config
 from relax.core.controller import Controller
 from relax.models.tiny import TinyArch, build_tiny_model_dir
 from relax.models.tasks import generate_task_dataset
+
+pytestmark = pytest.mark.e2e  # a whole run: Ray, trainer, engines (deselect with -m 'not e2e')
 
 
 def _children():
@@ -28,6 +32,7 @@ def assets(tmp_path_factory):
 def test_grpo_two_engines_two_dp_ranks(assets):
     base, model, data = assets
     out = base / "run"
+    shared_ray()
     before = _children()
     config = parse_config([
         "--hf-checkpoint", model, "--prompt-data", data, "--apply-chat-template", "--input-key", "input",
@@ -79,7 +84,15 @@ def test_grpo_two_engines_two_dp_ranks(assets):
     assert (ckpt / "iter_0000002" / "relax_state.json").is_file()
     assert any((ckpt / "iter_0000002" / "actor").iterdir())
     assert any((out / "tensorboard").rglob("events.out.tfevents*"))
-    assert not ray.is_initialized()
-    leftover = [p for p in _children() - before if psutil.pid_exists(p)
-                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert_ray_released()
+    # engine servers and the router are gone; Ray's own worker processes stay with the session's cluster
+    leftover = [p for p in _children() - before if _alive_non_ray(p)]
     assert not leftover, f"processes left behind: {[psutil.Process(p).cmdline()[:3] for p in leftover]}"
+
+
+def _alive_non_ray(pid: int) -> bool:
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE and not (proc.cmdline() or ["ray::"])[0].startswith("ray::")
+    except psutil.NoSuchProcess:
+        return False

@@ -10,6 +10,8 @@ import pytest
 import requests
 import torch
 
+from conftest import shared_ray
+
 from relax.backends.auth import OPEN_ENDPOINTS, auth_headers, authorized, ensure_engine_api_key
 from relax.backends.embedded.launcher import EmbeddedServerProcess
 from relax.backends.megatron.checkpoint import load_state_file
@@ -144,17 +146,11 @@ def test_engine_without_a_key_disables_control(tmp_path):
 
 
 def test_engine_binds_loopback_on_one_node():
-    import ray
-
     from relax.roles.engine import engine_bind_host
 
-    assert engine_bind_host() == "127.0.0.1"  # no Ray
-    if not ray.is_initialized():
-        ray.init(num_cpus=1, include_dashboard=False)
-        try:
-            assert engine_bind_host() == "127.0.0.1"
-        finally:
-            ray.shutdown()
+    assert engine_bind_host() == "127.0.0.1"  # no Ray yet, or the session's
+    shared_ray()
+    assert engine_bind_host() == "127.0.0.1"  # a one-node cluster
 
 
 def test_checkpoint_that_would_run_code_is_refused(tmp_path):

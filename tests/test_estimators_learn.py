@@ -9,11 +9,12 @@ import json
 import statistics
 
 import pytest
-import ray
 from conftest import run_steps
 
 from relax.config import parse_config
 from relax.models.embedded import build_embedded_assets
+
+pytestmark = pytest.mark.e2e  # a whole run: Ray, trainer, engines (deselect with -m 'not e2e')
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +23,7 @@ def assets(tmp_path_factory):
     build_embedded_assets(str(base / "model"), str(base / "orig.jsonl"), seed=0)
     rows = [json.loads(line) for line in (base / "orig.jsonl").read_text().splitlines()]
     (base / "train.jsonl").write_text("".join(json.dumps({**r, "label": "7"}) + "\n" for r in rows))
-    ray.init(num_cpus=16, include_dashboard=False)  # one local cluster for all estimators
-    yield base
-    ray.shutdown()
+    return base
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "gspo", "rloo", "ppo"])

@@ -1,6 +1,7 @@
 """Nothing of a run outlives it: a server started behind the parent watchdog ends when the process that
 started it is SIGKILLed, and also when the watchdog itself is SIGKILLed."""
 
+import pytest
 import os
 import signal
 import subprocess
@@ -10,6 +11,8 @@ import time
 import psutil
 
 from relax.backends.net import find_free_port, with_parent_watchdog
+
+pytestmark = pytest.mark.e2e  # a whole run: Ray, trainer, engines (deselect with -m 'not e2e')
 
 
 def _listening(port: int) -> bool:

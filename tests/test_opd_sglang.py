@@ -117,6 +117,7 @@ def _argv(assets, out, *extra):
             "--output-dir", str(out), "--distributed-backend", "gloo", *extra]
 
 
+@pytest.mark.e2e
 def test_opd_sglang_end_to_end(assets, teacher_url):
     from conftest import run_steps
     from relax.core.roles import TrainingAuxRoles

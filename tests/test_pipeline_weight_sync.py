@@ -2,6 +2,7 @@
 must receive every stage's layers, not only the first stage's; --check-weight-update-equal reads each
 pushed tensor back from the engine."""
 
+import pytest
 import json
 
 from conftest import run_steps
@@ -9,6 +10,8 @@ from safetensors import safe_open
 
 from relax.config import parse_config
 from relax.models.tiny import TinyArch, build_tiny_model_dir
+
+pytestmark = pytest.mark.e2e  # a whole run: Ray, trainer, engines (deselect with -m 'not e2e')
 
 
 def test_engine_gets_the_weights_of_every_pipeline_stage(tmp_path):

@@ -8,9 +8,13 @@ import json
 import pytest
 import ray
 
+from conftest import shared_ray
+
 from relax.config import parse_config
 from relax.core.controller import Controller
 from relax.models.tiny import TinyArch, build_tiny_model_dir
+
+pytestmark = pytest.mark.e2e  # a whole run: Ray, trainer, engines (deselect with -m 'not e2e')
 
 LOGGED = {}
 
@@ -45,6 +49,7 @@ def assets(tmp_path_factory):
 
 
 def run(config):
+    shared_ray()
     controller = Controller(config)
     try:
         controller.start()

@@ -12,10 +12,14 @@ import psutil
 import pytest
 import ray
 
+from conftest import assert_ray_released, shared_ray
+
 from relax.backends.embedded.launcher import EmbeddedServerProcess
 from relax.config import parse_config
 from relax.core.controller import Controller
 from relax.models.tiny import TinyArch, build_tiny_model_dir
+
+pytestmark = pytest.mark.e2e  # a whole run: Ray, trainer, engines (deselect with -m 'not e2e')
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +64,7 @@ def test_two_steps_against_an_external_engine(assets):
             "--lr-decay-style", "constant", "--resource", '{"actor": [1, 1], "rollout": [1, 1]}',
             "--distributed-backend", "gloo", "--rollout-external", "--rollout-external-engine-addrs", addr,
             "--save-debug-rollout-data", saved, "--output-dir", str(base / "run")])
+        shared_ray()
         controller = Controller(config)
         try:
             controller.start()
@@ -78,7 +83,7 @@ def test_two_steps_against_an_external_engine(assets):
             assert max(abs(a - b) for a, b in zip(trainer_lp, engine_lp)) < 1e-4, (trainer_lp, engine_lp)
         finally:
             controller.shutdown()
-        assert not ray.is_initialized()
+        assert_ray_released()
         # the samples came from this engine: step 1 was generated with the weights of the first sync
         assert {s.weight_version for s in load_rollout_data(saved, 0)} == {0}
         assert {s.weight_version for s in load_rollout_data(saved, 1)} == {1}

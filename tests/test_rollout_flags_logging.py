@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import assert_ray_released, shared_ray
+
 from relax.data.sample import Sample
 from relax.rollout.step_logs import (correct_metrics, mask_runs, multi_turn_metrics, reward_category_metrics,
                                      sample_turns, write_correct_samples)
@@ -107,6 +109,7 @@ def assets(tmp_path_factory):
     return base, str(model), str(data)
 
 
+@pytest.mark.e2e
 def test_logging_flags_and_eval_function_through_the_controller(assets, monkeypatch):
     import ray
 
@@ -132,13 +135,14 @@ def test_logging_flags_and_eval_function_through_the_controller(assets, monkeypa
         "--rollout-max-response-len", "160", "--micro-batch-size", "4", "--lr", "1e-4",
         "--lr-decay-style", "constant", "--resource", '{"actor": [1, 1], "rollout": [1, 1]}',
         "--distributed-backend", "gloo", "--save-debug-rollout-data", saved, "--output-dir", str(out)])
+    shared_ray()
     controller = Controller(config)
     try:
         controller.start()
         controller.run()
     finally:
         controller.shutdown()
-    assert not ray.is_initialized()
+    assert_ray_released()
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     pre, step = records[0], records[-1]
     samples = load_rollout_data(saved, 0)

@@ -261,6 +261,7 @@ def test_support_set(moe_dir, tmp_path):
     assert unsupported_flags(_config(moe_dir, tmp_path)) == []
 
 
+@pytest.mark.e2e
 def test_rollout_routing_replay_end_to_end(tmp_path):
     """Controller, real Ray, Megatron over gloo, embedded engine behind the sglang router, TransferQueue: 2
     steps with --use-rollout-routing-replay. The rollout asks for routes through the router; the trainer

@@ -240,6 +240,7 @@ def test_parse_rule_and_support(moe_dir, tmp_path):
     assert AutoConfig.from_pretrained(moe_dir).num_experts == 4
 
 
+@pytest.mark.e2e
 def test_routing_replay_end_to_end(tmp_path):
     """Through the controller (real Ray, Megatron over gloo, an embedded engine running the HF Qwen3-MoE,
     TransferQueue): 2 steps of 2 updates each with --use-routing-replay; the actor records routes in its own pass

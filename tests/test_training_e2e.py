@@ -12,10 +12,14 @@ import json
 import pytest
 import ray
 
+from conftest import assert_ray_released, shared_ray
+
 from relax.config import parse_config
 from relax.core.controller import Controller
 from relax.models.tasks import generate_task_dataset
 from relax.models.tiny import TinyArch, build_tiny_model_dir
+
+pytestmark = pytest.mark.e2e  # a whole run: Ray, trainer, engines (deselect with -m 'not e2e')
 
 STATE: dict = {}
 
@@ -46,6 +50,7 @@ def test_grpo_kl_loss_with_reference_refresh(assets):
     config = parse_config(_argv(model, data, out, "--num-rollout", "3", "--use-kl-loss", "--kl-loss-coef", "0.05",
                                 "--kl-loss-type", "low_var_kl", "--ref-update-interval", "2", "--use-tis",
                                 "--save-interval", "3"))
+    shared_ray()
     controller = Controller(config)
     try:
         controller.start()
@@ -81,6 +86,7 @@ def test_reinforce_plus_plus_baseline_kl_reward_from_ref_load(assets):
                                 "reinforce_plus_plus_baseline", "--normalize-advantages", "--kl-coef", "0.1",
                                 "--kl-loss-type", "k3", "--ref-load", STATE["ckpt_root"],
                                 "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64"))
+    shared_ray()
     controller = Controller(config)
     try:
         controller.start()
@@ -98,4 +104,4 @@ def test_reinforce_plus_plus_baseline_kl_reward_from_ref_load(assets):
     for r in records:
         assert abs(r["train/loss"]) < 1e3 and r["train/grad_norm"] > 0
     assert abs(records[0]["train/kl"]) < 1e-6 and records[1]["train/kl"] > 1e-6, [r["train/kl"] for r in records]
-    assert not ray.is_initialized()
+    assert_ray_released()

@@ -13,10 +13,14 @@ import math
 import pytest
 import ray
 
+from conftest import assert_ray_released, shared_ray
+
 from relax.config import parse_config
 from relax.core.controller import Controller
 from relax.models.tasks import generate_task_dataset
 from relax.models.tiny import TinyArch, build_tiny_model_dir
+
+pytestmark = pytest.mark.e2e  # a whole run: Ray, trainer, engines (deselect with -m 'not e2e')
 
 STATE: dict = {}
 
@@ -52,6 +56,7 @@ def test_ppo_with_critic(assets):
     config = parse_config(_argv(model, data, out, "--num-rollout", "2", "--num-critic-only-steps", "1",
                                 "--gamma", "0.99", "--lambd", "0.95", "--value-clip", "0.5", "--critic-lr", "5e-3",
                                 "--critic-save", str(base / "critic_ckpt"), "--save-interval", "2"))
+    shared_ray()
     controller = Controller(config)
     try:
         controller.start()
@@ -90,6 +95,7 @@ def test_ppo_with_opd_teacher_and_critic_load(assets):
     config = parse_config(_argv(model, data, out, "--num-rollout", "2", "--critic-load", STATE["critic_root"],
                                 "--use-opd", "--opd-type", "megatron", "--opd-teacher-load", STATE["ckpt_root"],
                                 "--opd-teacher-ckpt-step", "2", "--opd-kl-coef", "0.5"))
+    shared_ray()
     controller = Controller(config)
     try:
         controller.start()
@@ -109,4 +115,4 @@ def test_ppo_with_opd_teacher_and_critic_load(assets):
         assert math.isfinite(r["train/loss"]) and r["train/grad_norm"] > 0
         assert math.isfinite(r["critic/value_loss"]) and "perf/teacher_logprob_time" in r
         assert abs(r["train/opd_reverse_kl"]) > 1e-6  # the teacher (run 1's actor) differs from the student
-    assert not ray.is_initialized()
+    assert_ray_released()

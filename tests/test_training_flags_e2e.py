@@ -14,11 +14,15 @@ import math
 import pytest
 import ray
 
+from conftest import assert_ray_released, shared_ray
+
 from relax.config import parse_config
 from relax.config.support import unsupported_flags
 from relax.core.controller import Controller
 from relax.models.tasks import generate_task_dataset
 from relax.models.tiny import TinyArch, build_tiny_model_dir
+
+pytestmark = pytest.mark.e2e  # a whole run: Ray, trainer, engines (deselect with -m 'not e2e')
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +51,7 @@ def test_true_on_policy_with_kept_old_actor_and_delayed_weight_updates(assets):
     config = parse_config(_argv(model, data, out, "--num-rollout", "3", "--true-on-policy-mode", "--keep-old-actor",
                                 "--update-weights-interval", "2", "--use-rollout-entropy", "--recompute-loss-function"))
     assert unsupported_flags(config) == []
+    shared_ray()
     controller = Controller(config)
     try:
         controller.start()
@@ -64,7 +69,7 @@ def test_true_on_policy_with_kept_old_actor_and_delayed_weight_updates(assets):
     assert "weights/version" in records[1] and "weights/version" not in records[0]
     print("true-on-policy max |trainer - engine| per step:",
           [r["train/true_on_policy_max_abs_diff"] for r in records])
-    assert not ray.is_initialized()
+    assert_ray_released()
 
 
 def test_on_policy_distillation_with_a_megatron_teacher(assets):
@@ -75,6 +80,7 @@ def test_on_policy_distillation_with_a_megatron_teacher(assets):
                                 "on_policy_distillation", "--use-opd", "--opd-type", "megatron",
                                 "--opd-teacher-load", str(teacher), "--opd-kl-coef", "1.0"))
     assert unsupported_flags(config) == []
+    shared_ray()
     controller = Controller(config)
     try:
         controller.start()
@@ -91,4 +97,4 @@ def test_on_policy_distillation_with_a_megatron_teacher(assets):
     for r in records:
         assert math.isfinite(r["train/loss"]) and r["train/grad_norm"] > 0 and "perf/teacher_logprob_time" in r
         assert abs(r["train/opd_reverse_kl"]) > 1e-6  # a different model: the only training signal
-    assert not ray.is_initialized()
+    assert_ray_released()
