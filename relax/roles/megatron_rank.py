@@ -3,6 +3,7 @@ the group, the rendezvous address of rank 0, and joining the process group."""
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any
 
@@ -31,6 +32,10 @@ class MegatronRank:
         with socket.socket() as sock:
             sock.bind(("", 0))
             return host, sock.getsockname()[1]
+
+    def where(self) -> str:
+        """This rank's node address and process id, as error lines name it."""
+        return f"{ray.util.get_node_ip_address()} pid {os.getpid()}"
 
     def join_process_group(self, master_addr: str, master_port: int, backend: str) -> None:
         from relax.backends.megatron.cpu_compat import apply_cpu_compat

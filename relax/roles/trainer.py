@@ -9,6 +9,8 @@ from typing import Any
 import ray
 
 from relax.roles.megatron_rank import MegatronRank
+from relax.rollout.rewards.runner import check_step_rewards, reward_name
+from relax.weights.sync import push_for_config
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +64,7 @@ class TrainerWorker(MegatronRank):
         if self.config.keep_old_actor:  # the engines start from these weights (see push_weights)
             self.trainer.keep_weights("old_actor")
         self.data = DataPlane.attach()
-        return {"rank": self.rank, "dp": self.trainer.layout.dp, "params": sum(
+        return {"rank": self.rank, "dp": self.trainer.layout.dp, "where": self.where(), "params": sum(
             p.numel() for p in self.trainer.gpt_model.parameters())}
 
     def train(self, step: int, extras: dict[str, Any] | None = None) -> dict[str, float]:
@@ -70,17 +72,25 @@ class TrainerWorker(MegatronRank):
 
         `extras` holds per-sample inputs from auxiliary roles (see relax.core.roles), by sample order;
         `ref_update_targets` (reference workers, one per rank) asks this rank to copy its weights there
-        after the update (--ref-update-interval).
+        after the update (--ref-update-interval). A step whose every reward failed is not trained on
+        (`relax.rollout.rewards.runner.check_step_rewards`); the failed ones are counted in the metrics.
         """
         from relax.training.step import train_rollout
 
         extras = extras or {}
         samples = self.data.get(step)  # the whole step, in index order, on every rank
+        failed = check_step_rewards(samples, step, reward_name(self.config))
         result = train_rollout(self.trainer, samples, self.config, extras, step)
+        result["train/reward_failed_samples"] = float(failed)
         targets = extras.get("ref_update_targets")
         if targets:
             t0 = time.perf_counter()
-            ray.get(targets[self.rank].set_model_state.remote(self.trainer.model_state()))
+            deadline = self.config.train_step_timeout or None  # --train-step-timeout; 0: no deadline
+            try:
+                ray.get(targets[self.rank].set_model_state.remote(self.trainer.model_state()), timeout=deadline)
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(f"reference rank {self.rank} did not take the refreshed weights within "
+                                   f"{deadline:g} s (--train-step-timeout)") from None
             result["perf/ref_update_time"] = time.perf_counter() - t0
         return result
 
@@ -93,9 +103,8 @@ class TrainerWorker(MegatronRank):
         return [lp.tolist() for lp in self.trainer.compute_logprobs(inputs, temperature)]
 
     def push_weights(self, engine_urls: list[str], version: int, buffer_bytes: int) -> dict[str, Any]:
-        """Every rank takes part in gathering; rank 0 sends the HF-named tensors to every engine."""
-        from relax.weights.sync import push_for_config
-
+        """Every rank takes part in gathering; rank 0 sends the HF-named tensors to every engine (each request
+        within --weight-update-timeout; past it a `WeightSyncError` names the engine)."""
         t0 = time.perf_counter()
         named = list(self.trainer.export_hf_weights())
         if self.config.keep_old_actor:  # the policy the engines roll out with until the next push

@@ -26,7 +26,13 @@ Failure policy (``on_error``)
   * ``"zero"``: the sample (every sample of a failed group call) gets 0.0, its
     ``metadata["reward_error"]`` is set to ``"ExcType: message"``, and it is
     counted in ``RewardResult.num_errors`` / ``error_indices`` and in the runner's
-    cumulative ``stats()``. A warning is logged for each failure. Never silent.
+    cumulative ``stats()``. A warning is logged for each failure. Never silent:
+    the trainer counts a step's failed rewards (``train/reward_failed_samples``)
+    and stops the run when every one of them failed (``check_step_rewards``).
+
+Failures name the sample by its prompt group, place in the group, prompt row and
+rollout step (``Sample.describe``); its global index is not assigned yet while
+the step's rollout runs.
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ from typing import Any, Callable, Optional, Sequence
 from relax.rollout.rewards.custom import CustomReward, load_custom_reward
 from relax.rollout.rewards.registry import get_reward_fn, resolve_rm_type
 
-__all__ = ["RewardRunner", "RewardResult", "RewardError", "score_samples", "ascore_samples", "reward_to_float"]
+__all__ = ["RewardRunner", "RewardResult", "RewardError", "AllRewardsFailedError", "check_step_rewards",
+           "reward_name", "score_samples", "ascore_samples", "reward_to_float"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +59,34 @@ ON_ERROR_POLICIES = ("fail", "zero")
 
 class RewardError(RuntimeError):
     """A reward could not be computed (raised under ``on_error="fail"``)."""
+
+
+class AllRewardsFailedError(RewardError):
+    """Every reward of a step failed (each scored 0.0 under ``on_error="zero"``): the step holds nothing to
+    learn from, so the run stops instead of training on it (`check_step_rewards`)."""
+
+
+def reward_name(args: Any) -> str:
+    """The run's reward as messages name it: the custom function's dotted path, or the built-in type (a
+    reward server with its address)."""
+    if args.custom_rm_path:
+        return f"custom {args.custom_rm_path}"
+    if args.rm_type == "remote_rm" and args.rm_url:
+        return f"remote_rm at {args.rm_url}"
+    return str(args.rm_type)
+
+
+def check_step_rewards(samples: Sequence[Any], step: int, reward: str) -> int:
+    """How many of a step's `samples` carry a failed reward (``metadata["reward_error"]``, scored 0.0 under
+    --reward-error-policy zero). Raises `AllRewardsFailedError` when that is all of them: training on such a
+    step would learn from the failures alone."""
+    failed = [s for s in samples if _metadata(s).get("reward_error")]
+    if samples and len(failed) == len(samples):
+        raise AllRewardsFailedError(
+            f"step {step}: every reward failed ({len(failed)} of {len(samples)} samples, reward {reward}; "
+            f"--reward-error-policy zero scored them 0.0), so there is nothing to train on; first error: "
+            f"{_metadata(failed[0])['reward_error']}")
+    return len(failed)
 
 
 @dataclass
@@ -127,6 +162,29 @@ def reward_to_float(value: Any, reward_key: Optional[str] = None) -> float:
     if not math.isfinite(out):
         raise ValueError(f"reward is not finite: {out}")
     return out
+
+
+def _group_index(sample: Any) -> int:
+    value = _field(sample, "group_index")
+    return value if isinstance(value, int) else -1
+
+
+def sample_label(sample: Any, idx: int, place: Optional[int] = None) -> str:
+    """How a failure names the sample: a rollout sample by its group, place, prompt row and step
+    (`relax.data.sample.Sample.describe`); anything else by its position in the scored batch."""
+    describe = getattr(sample, "describe", None)
+    if callable(describe) and _group_index(sample) >= 0:
+        return describe(place)
+    return f"sample {idx}"
+
+
+def group_label(group: Sequence[Any], g: int, start: int) -> str:
+    first = group[0] if group else None
+    if first is not None and _group_index(first) >= 0:
+        row = _metadata(first).get("prompt_index")
+        where = ([f"prompt row {row}"] if row is not None else []) + [f"step {_field(first, 'rollout_step', 0)}"]
+        return f"group {first.group_index} ({len(group)} samples, {', '.join(where)})"
+    return f"group {g} (samples {start}..{start + len(group) - 1})"
 
 
 class RewardRunner:
@@ -245,7 +303,8 @@ class RewardRunner:
             _mark_error(s, message)
         return message
 
-    async def _score_one(self, idx: int, sample: Any, sem: asyncio.Semaphore) -> tuple[list[float], list[Any], list[int]]:
+    async def _score_one(self, idx: int, sample: Any, sem: asyncio.Semaphore,
+                         place: Optional[int] = None) -> tuple[list[float], list[Any], list[int]]:
         rm_name = "?"
         try:
             async with sem:
@@ -254,7 +313,7 @@ class RewardRunner:
                     raw = await self._deadline(self.custom.acall(self.args, sample, executor=self._executor))
                 else:
                     metadata = _metadata(sample)
-                    rm_name = resolve_rm_type(self.rm_type, metadata)
+                    rm_name = resolve_rm_type(self.rm_type, metadata)  # a reward server's errors name its URL
                     fn = self._fn(rm_name)
                     raw = await self._deadline(self._call_builtin(fn, _response(sample), _field(sample, "label"),
                                                                   metadata))
@@ -262,7 +321,7 @@ class RewardRunner:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            self._failure(f"sample {idx}", rm_name, e, [sample])
+            self._failure(sample_label(sample, idx, place), rm_name, e, [sample])
             return [0.0], [None], [idx]
 
     async def _score_group(
@@ -282,7 +341,7 @@ class RewardRunner:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            where = f"group {g} (samples {start}..{start + len(group) - 1})"
+            where = group_label(group, g, start)
             self._failure(where, rm_name, e, group)
             return [0.0] * len(group), [None] * len(group), list(range(start, start + len(group)))
 
@@ -315,8 +374,8 @@ class RewardRunner:
                 start += len(group)
         else:
             for group in groups:
-                for s in group:
-                    coros.append(self._score_one(start, s, sem))
+                for place, s in enumerate(group):
+                    coros.append(self._score_one(start, s, sem, place))
                     start += 1
         tasks = [asyncio.ensure_future(c) for c in coros]
         try:
