@@ -55,7 +55,8 @@ def test_group_variance_metrics():
     out = group_variance_metrics(samples)
     assert out == {"rollout/zero_std_groups": 2.0, "rollout/zero_std_group_fraction": 2 / 3}
     assert group_variance_metrics([s(0, 1.0)]) == {}
-    assert step_log_metrics(SimpleNamespace(), 0, samples) == out
+    no_logs = SimpleNamespace(log_multi_turn=False, log_correct_samples=False, log_reward_category=None)
+    assert step_log_metrics(no_logs, 0, samples) == out
 
 
 def test_metrics_writer_runs_the_monitor(tmp_path, caplog):

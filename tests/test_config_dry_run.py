@@ -47,10 +47,13 @@ def test_embedded_default_dry_run(tmp_path):
 
 @pytest.mark.parametrize("script", ["run-grpo-colocate.sh", "run-grpo-fully-async.sh"])
 @pytest.mark.parametrize("model", ["qwen2.5-7B", "qwen3-4B", "qwen3-30B-A3B", "llama3-8B", "glm4-9B"])
-def test_public_style_launch_scripts_pass_dry_run(tmp_path, prompt_file, script, model):
+def test_public_style_launch_scripts_pass_dry_run(tmp_path, script, model):
     import sys
 
-    env = dict(os.environ, MODEL=model, DATA=prompt_file, RELAX_TRAIN=f"{sys.executable} -m relax.entrypoints.train")
+    # rows in the scripts' keys (--input-key prompt): --num-epoch counts the rows training can use
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n{"prompt": "2+2=", "label": "4"}\n')
+    env = dict(os.environ, MODEL=model, DATA=str(data), RELAX_TRAIN=f"{sys.executable} -m relax.entrypoints.train")
     proc = subprocess.run(["bash", str(ROOT / "examples" / "launch" / script), "--dry-run", "--output-dir",
                            str(tmp_path)], capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -137,3 +137,23 @@ def test_unsupported_flags_stop_a_real_run_before_ray():
     assert "not supported yet: --fully-async" in proc.stderr
     proc = relax_cli("--fully-async", "--dry-run", "--output-dir", "/tmp/relax-test-cfg")
     assert proc.returncode == 0 and "--fully-async" in proc.stdout.splitlines()[-1]
+
+
+def test_num_epoch_counts_usable_rows_as_training_reads_them(tmp_path):
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"input": "a"}\n\n{"input": "b"}\n{not json\n{"input": "c"}\n')
+    argv = BASE + ["--prompt-data", str(data), "--rollout-batch-size", "2", "--num-epoch", "2"]
+    assert parse_config(argv + ["--skip-bad-lines"]).num_rollout == 3  # 2 epochs x 3 usable rows / 2 per step
+    with pytest.raises(ConfigError, match=r"p.jsonl:4: malformed JSON.*--skip-bad-lines"):
+        parse_config(argv)
+
+
+def test_derived_facts_are_stored_once():
+    cfg = parse_config(BASE + ["--resource", '{"actor": [2, 2], "rollout": [1, 4]}', "--tensor-model-parallel-size",
+                               "2", "--rollout-num-gpus-per-engine", "2", "--rollout-backend", "embedded",
+                               "--micro-batch-size", "1"])
+    assert (cfg.actor_world_size, cfg.data_parallel_size, cfg.num_engines) == (4, 2, 2)
+    assert "num_engines" not in cfg and "num_engines" not in cfg.to_dict()  # not a flag: not in the resolved file
+    external = parse_config(BASE + ["--rollout-external", "--rollout-external-engine-addrs", "h:1", "h:2", "h:3"])
+    assert external.num_engines == 3
+    assert parse_config(BASE).rollout_backend in ("embedded", "sglang")  # `auto` is resolved here, once

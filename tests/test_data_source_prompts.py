@@ -84,6 +84,7 @@ def test_from_args(tmp_path, tok):
         prompt_data=str(path), input_key="input", label_key="ans", metadata_key="metadata", tool_key="tools",
         rollout_shuffle=True, rollout_seed=5, use_streaming_dataset=False, streaming_buffer_size=10000,
         apply_chat_template=True, apply_chat_template_kwargs={}, system_prompt="S", rollout_max_prompt_len=64,
+        skip_bad_lines=False, multimodal_keys=None,
     )
     enc = PromptEncoder.from_args(args, tok)
     src = PromptDataSource.from_args(args, prompt_encoder=enc)

@@ -36,7 +36,6 @@ def test_epoch_rollover_in_order(jsonl):
     assert src.num_prompts == 10 and len(src) == 10
     assert drain(src, [4, 4, 4]) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 1]]
     assert src.epoch == 1
-    assert src.num_rollouts_for_epochs(3, 4) == 7
 
 
 def test_shuffle_is_seeded_per_epoch(jsonl):

@@ -63,6 +63,16 @@ def test_empty_file_missing_labels_and_few_prompts_are_reported(tmp_path, model)
     assert any("1 distinct prompt(s), fewer than --rollout-batch-size 4" in n for n in notes)
 
 
+def test_eval_sets_are_scanned_with_their_own_keys(tmp_path, model):
+    evals = tmp_path / "eval.jsonl"
+    evals.write_text('{"question": "3+3=", "answer": "6"}\n')
+    flags = ("--eval-prompt-data", "small", str(evals), "--eval-interval", "1", "--eval-input-key", "question")
+    assert preflight(_config(tmp_path, model, GOOD, *flags, "--eval-label-key", "answer")) == []
+    evals.write_text('{"question": "3+3=", "answer": "6"}\n{"prompt": "4+4="}\n')
+    with pytest.raises(ConfigError, match=r"--eval-prompt-data small: .*eval.jsonl:2: missing input key 'question'"):
+        preflight(_config(tmp_path, model, GOOD, *flags))
+
+
 def _fake_checkpoint(root, rollout_id, truncate=False):
     it = root / f"iter_{rollout_id:07d}"
     actor = it / "actor"
@@ -86,6 +96,8 @@ def test_load_paths(tmp_path, model):
     empty.mkdir()
     with pytest.raises(ConfigError, match="holds no checkpoint"):
         preflight(_config(tmp_path, model, GOOD, "--load", str(empty)))
+    with pytest.raises(ConfigError, match="holds model weights, not a run checkpoint.*--hf-checkpoint"):
+        preflight(_config(tmp_path, model, GOOD, "--load", model))  # resuming would silently ignore them
 
     root = tmp_path / "ckpt"
     _fake_checkpoint(root, 2)

@@ -1,6 +1,6 @@
 """--multimodal-keys: the mapped fields of the data rows land on the samples (rollout and evaluation) and
 in the /generate request body as SGLang's image_data/video_data/audio_data; the text-only embedded
-engine is refused at parse time and at engine start (`auto` resolving to embedded), and a real embedded
+engine is refused at parse time (also when `auto` resolves to it), and a real embedded
 engine that receives such a request rejects it by name (so nothing is dropped silently)."""
 
 import asyncio
@@ -8,9 +8,10 @@ import json
 
 import pytest
 
+from conftest import shared_tiny_model
+
 from relax.config import parse_config
 from relax.config.errors import ConfigError
-from relax.models.tiny import TinyArch, build_tiny_model_dir
 from relax.rollout.buffer import build_data_source
 
 IMAGES = [["a.png", "b.png"], None, "data:image/png;base64,AAAA"]
@@ -19,7 +20,7 @@ IMAGES = [["a.png", "b.png"], None, "data:image/png;base64,AAAA"]
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     base = tmp_path_factory.mktemp("mm")
-    model = build_tiny_model_dir(base / "model", TinyArch(family="qwen2"), seed=0)
+    model = shared_tiny_model()
     data = base / "train.jsonl"
     rows = []
     for i, img in enumerate(IMAGES):
@@ -90,23 +91,14 @@ def test_flag_rules(assets):
                   "127.0.0.1:1", backend="embedded").multimodal_keys
 
 
-def test_auto_backend_resolving_to_embedded_stops_at_engine_start(assets):
-    from relax.roles.engine import resolve_backend
-    from relax.roles.rollout import RolloutManager
+def test_auto_backend_resolving_to_embedded_stops_at_parse_time(assets):
+    from relax.config.sglang import resolve_backend
 
     if resolve_backend("auto") != "embedded":
         pytest.skip("auto resolves to SGLang here")
-    cfg = config(assets, "--multimodal-keys", MM, backend="auto")
-    cls = RolloutManager.__ray_metadata__.modified_class
-    manager = cls.__new__(cls)
-    manager.config, manager.engines = cfg, []
-    with pytest.raises(ConfigError, match="--multimodal-keys"):
-        manager.start_engines()
-    assert manager.engines == []
-    from relax.config.support import require_supported
-
     with pytest.raises(ConfigError, match="--multimodal-keys"):  # the CLI stops before Ray starts
-        require_supported(cfg)
+        config(assets, "--multimodal-keys", MM, backend="auto")
+    assert config(assets, backend="auto").rollout_backend == "embedded"  # resolved once; every role reads it
 
 
 def test_a_real_embedded_engine_rejects_the_images_by_name(assets):

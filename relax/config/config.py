@@ -7,23 +7,31 @@ from typing import Any, Iterator, Mapping
 
 
 class Config(Mapping[str, Any]):
-    """Read-only flag values by dest name (`cfg.rollout_batch_size`, `cfg["lr"]`).
+    """Read-only flag values by dest name (`cfg.rollout_batch_size`, `cfg["lr"]`), and the values derived
+    from them that are not flags (`cfg.actor_world_size`, `cfg.num_engines`: see `DERIVED_FACTS`).
 
     Built once by `relax.config.parse_config` after all sources are merged and validated.
-    Nothing can write to it afterwards; it pickles for Ray.
+    Nothing can write to it afterwards; it pickles for Ray. As a mapping it holds the flags only (what the
+    resolved config file records); the derived facts are attributes, computed from those flags again
+    whenever a config is built.
     """
 
-    __slots__ = ("_values", "_explicit", "_meta")
+    __slots__ = ("_values", "_explicit", "_meta", "_derived")
 
     def __init__(self, values: Mapping[str, Any], explicit: frozenset[str] = frozenset(),
-                 meta: Mapping[str, Any] | None = None):
+                 meta: Mapping[str, Any] | None = None, derived: Mapping[str, Any] | None = None):
         object.__setattr__(self, "_values", MappingProxyType(dict(values)))
         object.__setattr__(self, "_explicit", frozenset(explicit))
         object.__setattr__(self, "_meta", MappingProxyType(dict(meta or {})))
+        object.__setattr__(self, "_derived", MappingProxyType(dict(derived or {})))
 
     def __getattr__(self, name: str) -> Any:
         try:
             return self._values[name]
+        except KeyError:
+            pass
+        try:
+            return self._derived[name]
         except KeyError:
             raise AttributeError(f"Config has no flag {name!r}") from None
 
@@ -43,7 +51,7 @@ class Config(Mapping[str, Any]):
         return len(self._values)
 
     def __reduce__(self):
-        return (Config, (dict(self._values), self._explicit, dict(self._meta)))
+        return (Config, (dict(self._values), self._explicit, dict(self._meta), dict(self._derived)))
 
     def __repr__(self) -> str:
         return f"Config({len(self._values)} flags, {len(self._explicit)} set explicitly)"
@@ -52,6 +60,11 @@ class Config(Mapping[str, Any]):
     def explicit(self) -> frozenset[str]:
         """Dests the user set (command line or config file)."""
         return self._explicit
+
+    @property
+    def derived(self) -> Mapping[str, Any]:
+        """The derived facts (`DERIVED_FACTS`) by name."""
+        return self._derived
 
     @property
     def meta(self) -> Mapping[str, Any]:

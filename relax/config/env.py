@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 from typing import Mapping
 
+import yaml
+
 BUILTIN_ENV = {
     "TQ_NUM_THREADS": "1",  # TransferQueue warns on every call without it
     "RAY_DEDUP_LOGS": "1",
@@ -27,8 +29,6 @@ def default_env_yaml() -> Path | None:
 def load_env_yaml(path: Path | None) -> dict[str, str]:
     if path is None or not path.is_file():
         return {}
-    import yaml
-
     data = yaml.safe_load(path.read_text()) or {}
     env = data.get("env_vars", {}) or {}
     if not isinstance(env, dict):

@@ -6,6 +6,8 @@ import enum
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from relax.config.config import Config
 from relax.config.redact import redact_values
 from relax.config.support import unsupported_flags
@@ -34,8 +36,6 @@ def resolved_values(config: Config) -> dict[str, Any]:
 
 
 def write_resolved_config(config: Config, path: str | Path | None = None) -> Path:
-    import yaml
-
     path = Path(path or Path(config.output_dir) / "resolved_config.yaml")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -54,9 +54,7 @@ def batch_arithmetic(config: Config) -> list[str]:
         lines.append(f"  prompts are requested {c.over_sampling_batch_size} at a time (over-sampling); "
                      "filtered groups are replaced until the step is full")
     tp, pp, cp = c.tensor_model_parallel_size, c.pipeline_model_parallel_size, c.context_parallel_size
-    actor = c.resource.get("actor", [1, 1])
-    world = actor[0] * actor[1]
-    dp = max(1, world // (tp * pp * cp))
+    world, dp = c.actor_world_size, c.data_parallel_size
     lines.append(f"trainer: {world} workers = tensor {tp} x pipeline {pp} x context {cp} x data-parallel {dp}")
     gbs = c.global_batch_size
     if gbs:
@@ -69,12 +67,8 @@ def batch_arithmetic(config: Config) -> list[str]:
             accum = gbs // (c.micro_batch_size * dp) if c.micro_batch_size * dp else 0
             lines.append(f"  micro batch {c.micro_batch_size} per worker x {dp} data-parallel x "
                          f"{accum} accumulation steps = {gbs}")
-    rollout = c.resource.get("rollout", [1, 1])
-    engines = (rollout[0] * rollout[1]) // max(1, c.rollout_num_gpus_per_engine)
-    if c.rollout_external:
-        engines = len(c.rollout_external_engine_addrs or [])
-    lines.append(f"rollout engines: {engines} (each on {c.rollout_num_gpus_per_engine} device(s)), "
-                 f"behind one router")
+    kind = "external" if c.rollout_external else f"{c.rollout_backend}, each on {c.rollout_num_gpus_per_engine} device(s)"
+    lines.append(f"rollout engines: {c.num_engines} ({kind}), behind one router")
     capacity = (rbs or 0) * (c.max_staleness + 1) * n
     lines.append(f"staleness: rollout may run {c.max_staleness} step(s) ahead of training; data queue holds up "
                  f"to {capacity} samples ({c.num_data_storage_units} storage unit(s))")

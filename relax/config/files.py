@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import tomllib
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from relax.config.errors import ConfigError
 
@@ -33,7 +36,7 @@ def _reduce(fn, xs):
 
 
 def register_resolvers() -> None:
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf  # only when a file interpolates: importing omegaconf takes ~1 s
 
     for name, fn in _RESOLVERS.items():
         if not OmegaConf.has_resolver(name):
@@ -48,12 +51,8 @@ def read_config_file(path: str) -> dict[str, Any]:
     text = file.read_text()
     try:
         if file.suffix.lower() == ".toml":
-            import tomllib
-
             data = tomllib.loads(text)
         else:
-            import yaml
-
             data = yaml.safe_load(text)
     except Exception as exc:  # parse errors of either format
         raise ConfigError(f"--custom-config-path: cannot parse {path}: {exc}") from None

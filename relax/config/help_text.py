@@ -14,6 +14,10 @@ import enum
 import json
 from typing import Any
 
+from relax.config.presets import EMBEDDED_PRESET, PRESET_NOTES
+from relax.config.support import IMPLEMENTED, SUPPORTED_VALUES, is_sglang_server_flag, same_value
+from relax.config.validate import DERIVED_FROM
+
 # What each Megatron flag that Relax honours controls, in Relax's terms (the flags in
 # relax.config.support.IMPLEMENTED that come from Megatron's parser; a test keeps the two in step).
 MEGATRON_HELP: dict[str, str] = {
@@ -57,8 +61,6 @@ EPILOG = ('Flags marked "Not supported yet" are accepted, but a real run stops b
 
 def describe_flags(parser: argparse.ArgumentParser, megatron_dests: frozenset[str]) -> None:
     """Give every flag its description and support status (once, when the parser is built)."""
-    from relax.config.support import IMPLEMENTED, SUPPORTED_VALUES, is_sglang_server_flag
-
     for action in parser._actions:
         dest = action.dest
         if not action.option_strings or dest == "help":
@@ -86,10 +88,6 @@ def _megatron_text(text: str | None) -> str:
 
 def default_text(action: argparse.Action) -> str:
     """The flag's effective default in words: parser default, derivation and embedded-default preset."""
-    from relax.config.presets import EMBEDDED_PRESET, PRESET_NOTES
-    from relax.config.support import is_sglang_server_flag, same_value
-    from relax.config.validate import DERIVED_FROM
-
     dest, value = action.dest, action.default
     if value is None and is_sglang_server_flag(dest):
         return "default: unset, so SGLang's own default"
@@ -127,8 +125,6 @@ def format_value(value: Any, action: argparse.Action) -> str:
 
 def _states_derivation(action: argparse.Action, text: str) -> bool:
     """The help already says which flag an unset value follows ("default: --max-tokens-per-gpu")."""
-    from relax.config.validate import DERIVED_FROM
-
     derived = DERIVED_FROM.get(action.dest)
     return action.default is None and derived is not None and derived.startswith("--") and derived in text
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from relax.config import megatron_table
+from relax.config.megatron_mirror import ROWS
 
 # Defaults Relax changes for RL post-training (the configuration reference states these).
 RELAX_DEFAULT_OVERRIDES = {
@@ -48,8 +49,6 @@ def add_megatron_flags(parser: argparse.ArgumentParser, use_megatron_parser: boo
                 target._add_action(action)
         origin = "megatron-lm"
     else:
-        from relax.config.megatron_mirror import ROWS
-
         megatron_table.add_rows(parser, ROWS, taken)
         origin = "mirror"
     known = {a.dest for a in parser._actions}

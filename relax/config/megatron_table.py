@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import ast
 import enum
+from pathlib import Path
 from typing import Any
 
 # Megatron parser groups that Relax mirrors whole: the model architecture, parallelism,
@@ -79,8 +80,6 @@ BOTH_FORMS = frozenset({"--lazy-mpu-init"})
 
 def dataclass_fields(package_dir) -> set[str]:
     """Names of every dataclass field under `package_dir` (read from source; nothing is imported)."""
-    from pathlib import Path
-
     names: set[str] = set()
     for path in Path(package_dir).rglob("*.py"):
         try:

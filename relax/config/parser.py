@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import functools
+import sys
 from typing import Any, Sequence
 
 from relax.config.config import Config
@@ -18,7 +19,7 @@ from relax.config.flags import add_relax_flags
 from relax.config.help_text import EPILOG, RelaxHelpFormatter, describe_flags
 from relax.config.megatron import add_megatron_flags
 from relax.config.sglang import add_router_flags, add_sglang_flags, take_passthrough
-from relax.config.validate import restated_derivations, validate_and_derive
+from relax.config.validate import derived_facts, restated_derivations, validate_and_derive
 
 
 class _Unset:
@@ -81,8 +82,6 @@ def _suggest(token: str, parser: argparse.ArgumentParser) -> str:
 
 def parse_config(argv: Sequence[str] | None = None, *, use_megatron_parser: bool | None = None) -> Config:
     """Parse, merge files, validate and derive. Raises ConfigError on any bad input."""
-    import sys
-
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, sources = build_parser(use_megatron_parser)
     actions = actions_by_dest(parser)
@@ -91,7 +90,7 @@ def parse_config(argv: Sequence[str] | None = None, *, use_megatron_parser: bool
     namespace = argparse.Namespace(**{dest: None if isinstance(a, argparse._AppendAction) else UNSET
                                       for dest, a in actions.items()})
     namespace, unknown = parser.parse_known_args(argv, namespace=namespace)
-    passthrough, rest = take_passthrough(unknown, set(actions))
+    passthrough, rest = take_passthrough(unknown)
     if rest:
         first = next((t for t in rest if t.startswith("--")), rest[0])
         if first.startswith("--"):
@@ -127,4 +126,4 @@ def parse_config(argv: Sequence[str] | None = None, *, use_megatron_parser: bool
         "argv": argv,
         "flag_names": {dest: a.option_strings[0] for dest, a in actions.items()},
     }
-    return Config(values, explicit, meta)
+    return Config(values, explicit, meta, derived_facts(values))

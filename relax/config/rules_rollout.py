@@ -1,7 +1,31 @@
 """Cross-flag rules of rollout features: functions (values, explicit) -> None raising ConfigError.
-validate.py runs every function listed in RULES after its own rules."""
+validate.py runs every function listed in RULES after its own rules, and those in POST_DERIVE_RULES
+once the derived values (eval fallbacks, the resolved --rollout-backend) are filled in."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
 
 from relax.config.errors import ConfigError
+from relax.config.eval_sets import eval_sets
+
+MODALITIES = ("image", "video", "audio")
+
+
+def check_multimodal_keys(mapping: Any) -> Optional[dict[str, str]]:
+    """The validated --multimodal-keys mapping modality -> field (None when unset); errors name the flag and
+    the fix."""
+    if mapping is None:
+        return None
+    if not isinstance(mapping, dict) or not mapping:
+        raise ConfigError('--multimodal-keys must be a non-empty JSON object, e.g. \'{"image": "images"}\'')
+    for modality, key in mapping.items():
+        if modality not in MODALITIES:
+            raise ConfigError(f"--multimodal-keys: unknown modality {modality!r}; use one of {list(MODALITIES)}")
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"--multimodal-keys: the field of {modality!r} must be a non-empty string, "
+                              f"got {key!r}")
+    return dict(mapping)
 
 
 def check_eval(v: dict, explicit) -> None:
@@ -14,8 +38,6 @@ def check_eval(v: dict, explicit) -> None:
     if v.get("eval_interval") and not has_sets:
         raise ConfigError("--eval-interval needs --eval-prompt-data NAME PATH [...] or --eval-config FILE")
     if has_sets:
-        from relax.rollout.evaluation import eval_sets
-
         eval_sets(v)  # files exist, keys are known (errors name the flag or file and key)
 
 
@@ -44,10 +66,8 @@ def check_filters(v: dict, explicit) -> None:
 
 
 def check_multimodal(v: dict, explicit) -> None:
-    from relax.rollout.multimodal import check_multimodal_keys
-
-    if check_multimodal_keys(v.get("multimodal_keys")) and v.get("rollout_backend") == "embedded" \
-            and not v.get("rollout_external"):
+    if check_multimodal_keys(v["multimodal_keys"]) and v["rollout_backend"] == "embedded" \
+            and not v["rollout_external"]:
         raise ConfigError("--multimodal-keys needs an engine that takes images/videos/audio (SGLang): the embedded "
                           "engine is text-only and would drop them; use --rollout-backend sglang (or an external "
                           "SGLang with --rollout-external) or drop --multimodal-keys")
@@ -59,4 +79,5 @@ def check_logging(v: dict, explicit) -> None:
         raise ConfigError("--log-reward-category needs the key of the category in the dict-valued reward")
 
 
-RULES: tuple = (check_eval, check_debug, check_filters, check_multimodal, check_logging)
+RULES: tuple = (check_debug, check_filters, check_logging)
+POST_DERIVE_RULES: tuple = (check_eval, check_multimodal)

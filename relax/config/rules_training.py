@@ -1,6 +1,9 @@
 """Cross-flag rules of training features: functions (values, explicit) -> None raising ConfigError.
 validate.py runs every function listed in RULES after its own rules."""
 
+import json
+from pathlib import Path
+
 from relax.config.errors import ConfigError
 
 
@@ -125,12 +128,9 @@ def check_old_policy(v: dict, explicit) -> None:
                           "older weights than the trainer's; add --keep-old-actor so the check uses them")
 
 
-# helper E ------------------------------------------------------------------------------------------------------
+# MoE routing replay --------------------------------------------------------------------------------------------
 def _hf_num_experts(path) -> int | None:
     """Experts per MoE layer from `<path>/config.json` (0 for a dense model), None when it cannot be read."""
-    import json
-    from pathlib import Path
-
     try:
         cfg = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError, TypeError):

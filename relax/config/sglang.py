@@ -83,11 +83,23 @@ BUILTIN_TYPES: dict[str, Any] = {
 
 
 def sglang_available() -> bool:
-    try:
+    try:  # an optional dependency (the separate SGLang environment)
         from sglang.srt.server_args import ServerArgs  # noqa: F401
     except Exception:
         return False
     return True
+
+
+def resolve_backend(requested: str) -> str:
+    """`auto` picks real SGLang when a GPU and SGLang are present, else the embedded engine. Called once, by
+    config validation on the driver: an actor without a GPU of its own would always see none."""
+    if requested != "auto":
+        return requested
+    if not sglang_available():
+        return "embedded"
+    import torch  # only when there is a choice to make: importing torch takes seconds
+
+    return "sglang" if torch.cuda.is_available() else "embedded"
 
 
 def add_sglang_flags(parser: argparse.ArgumentParser, use_sglang_parser: bool | None = None) -> str:
@@ -163,7 +175,7 @@ def add_router_flags(parser: argparse.ArgumentParser) -> None:
         group.add_argument(*["--sglang-" + o[2:] for o in opts], **kwargs)
 
 
-def take_passthrough(unknown: list[str], known_dests: set[str]) -> tuple[dict[str, Any], list[str]]:
+def take_passthrough(unknown: list[str]) -> tuple[dict[str, Any], list[str]]:
     """Split leftover argv into untyped `--sglang-*` values and truly unknown arguments.
 
     `--sglang-foo-bar 3` → {"sglang_foo_bar": "3"}; `--sglang-flag` alone → True; several values → a list;

@@ -13,6 +13,10 @@ import math
 from typing import Any
 
 from relax.config.config import Config
+from relax.config.errors import ConfigError
+from relax.config.support_rollout import ROLLOUT_FEATURES
+from relax.config.support_training import TRAINING_FEATURES, TRAINING_SUPPORTED_VALUES
+from relax.config.support_weights import WEIGHTS_FEATURES
 
 # Run control and configuration layer.
 _CONFIG_LAYER = {"custom_config_path", "dry_run", "output_dir"}
@@ -53,15 +57,8 @@ _E2E_LOOP = {
     "use_tensorboard", "tb_project_name", "tb_experiment_name",
 }
 
-from relax.config.support_rollout import ROLLOUT_FEATURES  # noqa: E402
-from relax.config.support_training import TRAINING_FEATURES, TRAINING_SUPPORTED_VALUES  # noqa: E402
-from relax.config.support_weights import WEIGHTS_FEATURES, WEIGHTS_FEATURES_AFTER_TRAINER_PATCH  # noqa: E402
-
-# TrainerWorker.push_weights goes through relax.weights.sync.push_for_config, which reads these.
-_WEIGHT_SYNC = {"weight_sync_method"} | set(WEIGHTS_FEATURES_AFTER_TRAINER_PATCH)
-
 IMPLEMENTED: frozenset[str] = frozenset(_CONFIG_LAYER | _DUMPS | _E2E_LOOP | TRAINING_FEATURES | ROLLOUT_FEATURES
-                                        | WEIGHTS_FEATURES | _WEIGHT_SYNC)
+                                        | WEIGHTS_FEATURES)
 
 # Flags whose feature is built for some values only: dest -> supported values.
 SUPPORTED_VALUES: dict[str, frozenset] = {
@@ -140,22 +137,13 @@ def is_sglang_server_flag(dest: str) -> bool:
 
 
 def uses_sglang_engines(config: Config) -> bool:
-    """Engines are real SGLang servers (started by Relax, or external ones reached over its HTTP API)."""
-    from relax.roles.engine import resolve_backend
-
-    return resolve_backend(config.rollout_backend) == "sglang"
+    """Engines are real SGLang servers (`auto` is resolved by config validation)."""
+    return config.rollout_backend == "sglang"
 
 
 def require_supported(config: Config) -> None:
-    from relax.config.errors import ConfigError
-
     missing = unsupported_flags(config)
     if missing:
         raise ConfigError("not supported yet: " + ", ".join(missing)
                           + " (these flags are accepted but their features are not built; "
                             "remove them, or see `relax-train --dry-run` for the full list)")
-    if getattr(config, "multimodal_keys", None) and not config.rollout_external:
-        from relax.rollout.multimodal import require_engine_support
-
-        # `auto` resolves here, before Ray starts: a text-only engine would drop the images
-        require_engine_support(config, "sglang" if uses_sglang_engines(config) else "embedded")

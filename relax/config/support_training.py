@@ -20,9 +20,9 @@ TRAINING_FEATURES: frozenset[str] = frozenset({
     "disable_compute_advantages_and_returns", "custom_reward_post_process_path",
     "custom_convert_samples_to_train_data_path", "use_rollout_entropy", "recompute_loss_function",
     "keep_old_actor", "true_on_policy_mode",
-    # helper E: MoE routing replay (tests/test_routing_replay.py)
+    # MoE routing replay (tests/test_routing_replay.py)
     "use_routing_replay",
-    # helper H: rollout routing replay, R3 (tests/test_rollout_routing_replay.py)
+    # rollout routing replay, R3 (tests/test_rollout_routing_replay.py)
     "use_rollout_routing_replay",
 })
 
@@ -30,6 +30,6 @@ TRAINING_FEATURES: frozenset[str] = frozenset({
 TRAINING_SUPPORTED_VALUES: dict[str, frozenset] = {
     "advantage_estimator": frozenset({"reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo",
                                       "on_policy_distillation"}),
-    "opd_type": frozenset({"megatron", "sglang"}),  # sglang: helper E (tests/test_opd_sglang.py)
+    "opd_type": frozenset({"megatron", "sglang"}),  # sglang: tests/test_opd_sglang.py
     "loss_type": frozenset({"custom_loss", "sft"}),
 }

@@ -2,7 +2,8 @@
 
 `validate_and_derive(values, explicit)` runs after all sources (defaults, config files, command
 line) are merged. It raises `ConfigError` naming the flags and the fix, or returns the completed
-values. Nothing else in Relax computes a derived flag value.
+values; `derived_facts(values)` adds the derived values that are not flags (`DERIVED_FACTS`). Nothing
+else in Relax computes a derived value: roles read the stored one.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
+from relax.config import rules_rollout, rules_training
 from relax.config.errors import ConfigError
 from relax.config.presets import apply_embedded_default
-from relax.config.sglang import owned_flag_error
+from relax.config.sglang import owned_flag_error, resolve_backend
+from relax.data.prompt_files import PromptDataError, count_prompt_records
 from relax.data.replay_record import recorded_run
 
 RESOURCE_ROLES = ("actor", "rollout", "critic", "reference", "actor_fwd", "advantages", "genrm", "teacher")
@@ -61,13 +64,11 @@ def validate_and_derive(values: dict[str, Any], explicit: frozenset[str],
     explicit = frozenset(d for d in explicit if d not in HOOK_FLAGS or v.get(d) != defaults.get(d, object()))
     embedded = apply_embedded_default(v, explicit)
     apply_replay_record(v, explicit)
-    from relax.config import rules_rollout, rules_training
-
     for rule in RULES + tuple(rules_training.RULES) + tuple(rules_rollout.RULES):
         if not (embedded and rule is check_data):  # the embedded data is created at start-up
             rule(v, explicit)
     derive(v, explicit)
-    for rule in POST_DERIVE_RULES:
+    for rule in POST_DERIVE_RULES + tuple(rules_rollout.POST_DERIVE_RULES):
         rule(v, explicit)
     return v, embedded
 
@@ -243,9 +244,12 @@ def check_colocate(v: dict) -> None:
 
 
 def check_data(v: dict, explicit) -> None:
+    """The prompt file exists (its rows are checked before the run starts, by relax.core.preflight)."""
     if v["prompt_data"]:
         if not Path(v["prompt_data"]).is_file():
             raise ConfigError(f"--prompt-data: file not found: {v['prompt_data']}")
+        if not v["input_key"]:
+            raise ConfigError("--input-key is empty; name the field of the prompt rows that holds the prompt")
         if v["rollout_batch_size"] is None:
             raise ConfigError("--rollout-batch-size is required with --prompt-data (prompts per rollout step)")
         if v["num_rollout"] is None and v["num_epoch"] is None and not v["dry_run"]:
@@ -280,6 +284,11 @@ def check_hooks(v: dict, explicit) -> None:
         path = v.get(dest)
         if path and dest in explicit:
             import_hook(path, flag(dest))
+
+
+def load_hook(path: str | None, flag_name: str) -> Callable | None:
+    """The function a hook flag names (None when the flag is unset); errors name the flag."""
+    return import_hook(path, flag_name) if path else None
 
 
 def import_hook(path: str, flag_name: str = "hook") -> Callable:
@@ -320,8 +329,9 @@ DERIVED_FROM: dict[str, str] = {
     "eval_max_prompt_len": "--rollout-max-prompt-len",
     "eval_max_context_len": "--rollout-max-context-len",
     "resource": '{"actor": [1, 1], "rollout": [1, 1]}',
+    "rollout_backend": "auto resolves before the run starts: sglang when a GPU and SGLang are present, else embedded",
     "save": "<output-dir>/checkpoints when --save-interval is set",
-    "num_rollout": "--num-epoch x prompts / --rollout-batch-size, when --num-epoch is set",
+    "num_rollout": "--num-epoch x usable prompts / --rollout-batch-size, when --num-epoch is set",
     "global_batch_size": "samples per rollout / --num-steps-per-rollout (samples per rollout without it)",
     "lr_decay_iters": "--num-rollout x optimizer steps per rollout (the whole run)",
     "save_debug_rollout_data": "<--dump-details>/rollout_data/{rollout_id}.jsonl with --dump-details",
@@ -335,13 +345,16 @@ RULES = (check_ranges, check_sampling, check_algorithm, check_batching, check_ch
 
 # --------------------------------------------------------------------------- derived values
 
-def count_prompts(path: str) -> int:
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        return pq.ParquetFile(path).metadata.num_rows
-    with open(path, "rb") as fh:
-        return sum(1 for line in fh if line.strip())
+def count_prompts(v: dict) -> int:
+    """Usable rows of --prompt-data, read as training reads them (bad rows fail, or are skipped and not
+    counted with --skip-bad-lines)."""
+    try:
+        return count_prompt_records(v["prompt_data"], input_key=v["input_key"], label_key=v["label_key"],
+                                    metadata_key=v["metadata_key"], tool_key=v["tool_key"],
+                                    skip_bad_lines=bool(v["skip_bad_lines"]))
+    except PromptDataError as exc:
+        raise ConfigError(f"--prompt-data: {exc} (fix the row, or add --skip-bad-lines to skip and count bad "
+                          "rows)") from None
 
 
 def derive(v: dict, explicit) -> None:
@@ -383,11 +396,13 @@ def derive(v: dict, explicit) -> None:
             v[f"eval_{key}"] = v[f"rollout_{key}"]
     if v["resource"] is None:
         v["resource"] = {"actor": [1, 1], "rollout": [1, 1]}
+    if v["rollout_backend"] == "auto":  # once, here: an actor without a GPU would see none
+        v["rollout_backend"] = resolve_backend(v["rollout_backend"])
     if v["save"] is None and v["save_interval"] is not None:
         v["save"] = str(Path(v["output_dir"]) / "checkpoints")
     if v["num_rollout"] is None and v["num_epoch"] is not None and v["prompt_data"]:
         per_step = v["rollout_batch_size"]
-        v["num_rollout"] = max(1, v["num_epoch"] * count_prompts(v["prompt_data"]) // per_step)
+        v["num_rollout"] = max(1, v["num_epoch"] * count_prompts(v) // per_step)
     samples = (v["rollout_batch_size"] or 0) * v["n_samples_per_prompt"]
     if v["num_steps_per_rollout"] is not None and samples:
         if samples % v["num_steps_per_rollout"]:
@@ -410,30 +425,55 @@ def derive(v: dict, explicit) -> None:
                           f"({v['lr_decay_iters']})")
 
 
+# Values derived from the flags that are not flags themselves: Config attributes (relax.config.config),
+# computed here once. name -> what it is.
+DERIVED_FACTS: dict[str, str] = {
+    "actor_world_size": "trainer ranks: replicas x GPUs of --resource actor",
+    "data_parallel_size": "actor_world_size / (tensor x pipeline x context parallel)",
+    "num_engines": "rollout engines: the --rollout-external-engine-addrs, else the --resource rollout GPUs / "
+                   "--rollout-num-gpus-per-engine (at least one)",
+}
+
+
+def _workers(v: dict, role: str) -> int:
+    replicas, gpus = v["resource"].get(role, [1, 1])
+    return replicas * gpus
+
+
+def derived_facts(v: dict) -> dict[str, Any]:
+    """`DERIVED_FACTS` of completed values (after `validate_and_derive`)."""
+    world = _workers(v, "actor")
+    model_parallel = v["tensor_model_parallel_size"] * v["pipeline_model_parallel_size"] * v["context_parallel_size"]
+    if v["rollout_external"]:
+        engines = len(v["rollout_external_engine_addrs"] or [])
+    else:
+        engines = max(1, _workers(v, "rollout") // v["rollout_num_gpus_per_engine"])
+    return {"actor_world_size": world, "data_parallel_size": max(1, world // model_parallel),
+            "num_engines": engines}
+
+
 def check_batch_arithmetic(v: dict, explicit) -> None:
     samples = (v["rollout_batch_size"] or 0) * v["n_samples_per_prompt"]
     gbs = v["global_batch_size"]
     if samples and gbs and samples % gbs:
         raise ConfigError(f"--global-batch-size ({gbs}) must divide the samples per rollout ({samples} = "
                           "--rollout-batch-size x --n-samples-per-prompt)")
-    actor = v["resource"].get("actor")
-    if actor:
-        world = actor[0] * actor[1]
-        model_parallel = (v["tensor_model_parallel_size"] * v["pipeline_model_parallel_size"]
-                          * v["context_parallel_size"])
-        if world and world % model_parallel:
-            raise ConfigError(f"--resource actor has {world} workers, not divisible by tensor x pipeline x context "
-                              f"parallel = {model_parallel}")
-        dp = max(1, world // model_parallel)
-        if gbs and not v["use_dynamic_batch_size"] and gbs % (v["micro_batch_size"] * dp):
-            raise ConfigError(f"--global-batch-size ({gbs}) must be a multiple of --micro-batch-size "
-                              f"({v['micro_batch_size']}) x data-parallel size ({dp})")
-    rollout = v["resource"].get("rollout")
-    if rollout and not v["rollout_external"]:
-        gpus = rollout[0] * rollout[1]
-        if gpus and gpus % v["rollout_num_gpus_per_engine"]:
-            raise ConfigError(f"--resource rollout has {gpus} GPUs, not a multiple of --rollout-num-gpus-per-engine "
-                              f"({v['rollout_num_gpus_per_engine']})")
+    facts = derived_facts(v)
+    world, dp = facts["actor_world_size"], facts["data_parallel_size"]
+    if world < 1:
+        raise ConfigError(f"--resource actor {v['resource'].get('actor')} has no worker; the trainer needs at least "
+                          "one (replicas x GPUs >= 1)")
+    model_parallel = v["tensor_model_parallel_size"] * v["pipeline_model_parallel_size"] * v["context_parallel_size"]
+    if world % model_parallel:
+        raise ConfigError(f"--resource actor has {world} workers, not divisible by tensor x pipeline x context "
+                          f"parallel = {model_parallel}")
+    if gbs and not v["use_dynamic_batch_size"] and gbs % (v["micro_batch_size"] * dp):
+        raise ConfigError(f"--global-batch-size ({gbs}) must be a multiple of --micro-batch-size "
+                          f"({v['micro_batch_size']}) x data-parallel size ({dp})")
+    gpus = _workers(v, "rollout")
+    if not v["rollout_external"] and gpus and gpus % v["rollout_num_gpus_per_engine"]:
+        raise ConfigError(f"--resource rollout has {gpus} GPUs, not a multiple of --rollout-num-gpus-per-engine "
+                          f"({v['rollout_num_gpus_per_engine']})")
 
 
 POST_DERIVE_RULES = (check_batch_arithmetic,)

@@ -1,5 +1,6 @@
-"""Placement groups from `--resource` and the parallel sizes: GPU bundles on GPU clusters, CPU bundles
-otherwise. Each trainer rank and each engine gets one bundle."""
+"""Placement groups from the worker counts config validation derived from `--resource`
+(`actor_world_size`, `num_engines`): GPU bundles on GPU clusters, CPU bundles otherwise. Each trainer rank
+and each engine Relax starts gets one bundle."""
 
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ def cluster_has_gpus() -> bool:
 
 
 def role_bundles(config: Any, role: str, use_gpu: bool) -> list[dict[str, float]]:
-    replicas, devices = config.resource.get(role, [0, 0])
-    count = replicas * devices
+    """One bundle per trainer rank (role "actor") or per engine Relax starts (role "rollout")."""
     if role == "rollout":
         per_engine = config.rollout_num_gpus_per_engine
-        engines = max(1, count // per_engine) if not config.rollout_external else 0
+        engines = 0 if config.rollout_external else config.num_engines
         return [{"GPU": float(per_engine), "CPU": 1.0} if use_gpu else {"CPU": 1.0} for _ in range(engines)]
-    return [{"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0} for _ in range(count)]
+    if role == "actor":
+        return [{"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0} for _ in range(config.actor_world_size)]
+    raise ValueError(f"no bundles are reserved for role {role!r} here (auxiliary roles use the actor's layout)")
 
 
 def create_placement_group(bundles: list[dict[str, float]], name: str, timeout_s: float = 120.0):

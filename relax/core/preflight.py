@@ -5,9 +5,10 @@ Flag values alone are checked in `relax.config.validate`; what needs the files t
 readers that training uses, so that both agree on what a bad row is) is checked here:
 
 - the model folder (`--hf-checkpoint`): exists, holds a parseable `config.json` and a tokenizer;
-- prompt files (`--prompt-data`, `--eval-prompt-data`): exist, are not empty, and their rows parse with
-  the configured keys — every row when the file is small, the first `SCAN_ROWS` otherwise. Rows without
-  a label and fewer distinct prompts than `--rollout-batch-size` are reported as warnings;
+- prompt files (`--prompt-data`, the evaluation sets): are not empty, and their rows parse with the keys
+  they are read with — every row when the file is small, the first `SCAN_ROWS` otherwise. Rows without a
+  label and fewer distinct prompts than `--rollout-batch-size` are reported as warnings. (That the files
+  exist is checked with the flags, in `relax.config.validate.check_data` and `relax.config.eval_sets`.);
 - checkpoints (`--load`, `--ref-load`, `--critic-load`): a path that does not exist is an error (a typo),
   except `--load` equal to `--save`, the resume-or-start pattern of launch scripts, which starts fresh
   and says so. The iteration the marker names must be complete and its files intact (a truncated file
@@ -31,8 +32,9 @@ from relax.backends.megatron.checkpoint_layout import (
     iter_dir,
     latest_iteration,
 )
+from relax.config.eval_sets import eval_sets, reader_keys
+from relax.data.prompt_files import PromptDataError, scan_prompt_file
 from relax.data.replay_record import first_file
-from relax.rollout.data_source import PromptDataError, scan_prompt_file
 
 logger = logging.getLogger("relax")
 
@@ -46,10 +48,12 @@ def preflight(config: Any) -> list[str]:
     notes: list[str] = []
     check_model_folder(config.hf_checkpoint)
     if config.prompt_data:
-        notes += check_prompt_file(config, "--prompt-data", config.prompt_data, config.rollout_batch_size)
-    pairs = list(config.eval_prompt_data or [])
-    for name, path in zip(pairs[::2], pairs[1::2]):
-        notes += check_prompt_file(config, f"--eval-prompt-data {name}", path, None)
+        notes += check_prompt_file(config, "--prompt-data", config.prompt_data, config.rollout_batch_size,
+                                   input_key=config.input_key, label_key=config.label_key,
+                                   metadata_key=config.metadata_key, tool_key=config.tool_key)
+    eval_flag = "--eval-config" if config.eval_config else "--eval-prompt-data"
+    for es in eval_sets(config):
+        notes += check_prompt_file(config, f"{eval_flag} {es.name}", es.path, None, **reader_keys(es))
     notes += check_load(config)
     for flag, path in (("--ref-load", config.ref_load), ("--critic-load", config.critic_load)):
         if path and path != config.load and not Path(path).exists():
@@ -79,18 +83,17 @@ def check_model_folder(path: Optional[str]) -> None:
                           "copy the tokenizer files next to the weights")
 
 
-def check_prompt_file(config: Any, flag: str, path: str, rollout_batch_size: Optional[int]) -> list[str]:
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"{flag}: file not found: {path}")
-    if file.stat().st_size == 0:
+def check_prompt_file(config: Any, flag: str, path: str, rollout_batch_size: Optional[int], *, input_key: str,
+                      label_key: Optional[str], metadata_key: Optional[str], tool_key: Optional[str]) -> list[str]:
+    """Rows of an existing prompt file, read as training or evaluation reads them (the keys given)."""
+    size = Path(path).stat().st_size
+    if size == 0:
         raise ConfigError(f"{flag}: {path} is empty")
-    full = file.stat().st_size <= FULL_SCAN_BYTES
+    full = size <= FULL_SCAN_BYTES
     try:
-        counts = scan_prompt_file(path, input_key=config.input_key or "prompt", label_key=config.label_key,
-                                  metadata_key=config.metadata_key, tool_key=config.tool_key,
-                                  skip_bad_lines=bool(config.skip_bad_lines), multimodal_keys=config.multimodal_keys,
-                                  max_rows=None if full else SCAN_ROWS)
+        counts = scan_prompt_file(path, input_key=input_key, label_key=label_key, metadata_key=metadata_key,
+                                  tool_key=tool_key, skip_bad_lines=bool(config.skip_bad_lines),
+                                  multimodal_keys=config.multimodal_keys, max_rows=None if full else SCAN_ROWS)
     except PromptDataError as exc:
         raise ConfigError(f"{flag}: {exc} (fix the row, or add --skip-bad-lines to skip and count bad rows)") \
             from None
@@ -102,7 +105,7 @@ def check_prompt_file(config: Any, flag: str, path: str, rollout_batch_size: Opt
         notes.append(f"{flag}: {counts['bad_lines']} bad row(s) of {path} will be skipped (--skip-bad-lines){read}")
     if counts["missing_label"]:
         notes.append(f"{flag}: {counts['missing_label']} of {counts['rows']} rows{read} of {path} have no "
-                     f"{config.label_key!r} key; rewards that compare with a label score them 0")
+                     f"{label_key!r} key; rewards that compare with a label score them 0")
     if rollout_batch_size and counts["complete"] and counts["distinct_prompts"] < rollout_batch_size:
         notes.append(f"{flag}: {path} has {counts['distinct_prompts']} distinct prompt(s), fewer than "
                      f"--rollout-batch-size {rollout_batch_size}: every step repeats prompts")
@@ -125,8 +128,11 @@ def check_load(config: Any) -> list[str]:
     except ValueError:
         raise ConfigError(f"--load: {root / MARKER} does not hold an iteration number") from None
     if rollout_id is None:
-        if (root / "config.json").is_file() or is_saved(root):
-            return []  # a model folder or a bare trainer checkpoint: loaded as weights
+        if (root / "config.json").is_file() or is_saved(root):  # resuming would ignore these weights
+            raise ConfigError(f"--load: {load} holds model weights, not a run checkpoint ({MARKER} is missing); "
+                              "--load resumes a run saved with --save. To start from these weights pass the folder "
+                              "as --hf-checkpoint (a Hugging Face model) or --ref-load (a Relax checkpoint: the "
+                              "actor starts from the reference weights)")
         if resume_or_start:
             return [f"--load {load} holds no checkpoint yet (it is also --save): starting from step 0"]
         raise ConfigError(f"--load: {load} holds no checkpoint ({MARKER} is missing) and is not the --save folder")

@@ -76,7 +76,7 @@ class WorkerGroup:
         self.name = name
         self.workers: list[Any] = []
         self.placement_group = None
-        world = config.resource["actor"][0] * config.resource["actor"][1]
+        world = config.actor_world_size
         bundles = [{"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0} for _ in range(world)]
         self.placement_group = create_placement_group(bundles, f"relax-{name}")
         threads = max(1, (os.cpu_count() or 2) // max(1, world))

@@ -1,5 +1,10 @@
-"""Stable dotted paths named by the configuration reference (hook defaults and examples).
+"""Compatibility package: the stable dotted paths users put in launch scripts and that flag defaults name.
 
-`relax.engine.*` keeps the public hook paths users put in launch scripts; the implementations live
-in the architecture packages (`relax.rollout`, ...).
+Pure re-exports; the code lives in its real package:
+
+    relax.engine.rollout.sglang_rollout.generate_rollout            -> relax.rollout.sglang_rollout
+    relax.engine.rollout.data_source.RolloutDataSourceWithBuffer    -> relax.rollout.buffer
+    relax.engine.filters.dynamic_sampling_filters.check_reward_nonzero_std -> relax.rollout.filters
+
+Add a path here only when a script or a flag default names it; new code imports the real module.
 """

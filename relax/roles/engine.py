@@ -8,21 +8,6 @@ from typing import Any
 import ray
 
 
-def resolve_backend(requested: str) -> str:
-    """`auto` picks real SGLang when a GPU and SGLang are present, else the embedded engine."""
-    if requested != "auto":
-        return requested
-    try:
-        import torch
-
-        has_gpu = torch.cuda.is_available()
-    except Exception:
-        has_gpu = False
-    from relax.config.sglang import sglang_available
-
-    return "sglang" if has_gpu and sglang_available() else "embedded"
-
-
 def engine_bind_host() -> str:
     """Where an engine listens: loopback while the whole Ray cluster is this one node (nothing else needs
     to reach it), the node's address only when roles span nodes. Either way its control endpoints need

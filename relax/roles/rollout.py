@@ -102,7 +102,7 @@ class RolloutManager:
     # ------------------------------------------------------------------ engines and router
     def start_engines(self, placement_group=None, bundle_offset: int = 0) -> list[str]:
         from relax.backends.sglang.router import RouterProcess
-        from relax.roles.engine import EngineActor, resolve_backend
+        from relax.roles.engine import EngineActor
 
         c = self.config
         log_dir = os.path.join(c.output_dir, "logs")
@@ -110,12 +110,8 @@ class RolloutManager:
         if c.rollout_external:
             urls = [a if a.startswith("http") else f"http://{a}" for a in c.rollout_external_engine_addrs]
         else:
-            from relax.rollout.multimodal import require_engine_support
-
-            backend = resolve_backend(c.rollout_backend)
-            require_engine_support(c, backend)  # `auto` may resolve to the text-only embedded engine
-            gpus = c.resource["rollout"][0] * c.resource["rollout"][1]
-            num_engines = max(1, gpus // c.rollout_num_gpus_per_engine)
+            backend = c.rollout_backend  # `auto` is resolved (and checked) by config validation
+            num_engines = c.num_engines
             args = engine_server_args(c, backend)
             # The run's engine key, handed on explicitly: a Ray started elsewhere carries no job environment.
             options: dict[str, Any] = {"num_cpus": 1,

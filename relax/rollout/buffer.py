@@ -15,12 +15,17 @@ A buffer filter is `fn(args, buffer, num_groups) -> list[list[Sample]]` (`fn(arg
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Sequence
 
+from transformers import AutoTokenizer
+
 from relax.data.sample import Sample
 from relax.rollout.context import call_flexible, load_hook
+from relax.rollout.data_source import PromptDataSource
 from relax.rollout.multimodal import SAMPLE_KEY as MULTIMODAL
+from relax.rollout.prompts import PromptEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -32,21 +37,16 @@ def pop_first(args: Any, buffer: list[list[Sample]], num_groups: int) -> list[li
 
 class RolloutDataSourceWithBuffer:
     def __init__(self, args: Any, *, prompt_encoder: Any = None, tokenizer: Any = None):
-        from relax.rollout.data_source import PromptDataSource
-        from relax.rollout.prompts import PromptEncoder
-
         self.args = args
         if prompt_encoder is None:
             if tokenizer is None:
-                from transformers import AutoTokenizer
-
                 tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
             prompt_encoder = PromptEncoder.from_args(args, tokenizer)
         self.encoder = prompt_encoder
         self.n_samples = int(args.n_samples_per_prompt)
         self.prompts = PromptDataSource.from_args(args, prompt_encoder=prompt_encoder) if args.prompt_data else None
         self.buffer: list[list[Sample]] = []
-        self.buffer_filter = load_hook(getattr(args, "buffer_filter_path", None), "--buffer-filter-path") or pop_first
+        self.buffer_filter = load_hook(args.buffer_filter_path, "--buffer-filter-path") or pop_first
         self.next_group = 0
         self.counts = {"served_from_buffer": 0, "served_fresh": 0}
 
@@ -117,8 +117,6 @@ class RolloutDataSourceWithBuffer:
 
 def build_data_source(args: Any, prompt_encoder: Any = None) -> Any:
     """The `--data-source-path` class, built with the shared prompt encoder when it takes one."""
-    import inspect
-
     cls = load_hook(args.data_source_path, "--data-source-path")
     try:
         takes_encoder = "prompt_encoder" in inspect.signature(cls).parameters

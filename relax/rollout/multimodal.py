@@ -6,35 +6,19 @@ rows without the field stay text-only), every sample of its group gets it as
 ``Sample.metadata["multimodal_inputs"]``, and each /generate request for that sample carries it as
 SGLang's ``image_data`` / ``video_data`` / ``audio_data`` next to ``input_ids``.
 
-Only engines that take such inputs can serve these runs: the embedded engine is text-only, so a run
-with --multimodal-keys and --rollout-backend embedded stops at parse time (and at engine start when
-`auto` resolves to embedded). The processor-side flags (--image-max-token-num, fps, audio in video...)
-are not built.
+Only engines that take such inputs can serve these runs: the embedded engine is text-only, so config
+validation stops a run with --multimodal-keys whose --rollout-backend is (or `auto` resolves to) embedded
+(`relax.config.rules_rollout`, where the flag's mapping is checked too). The processor-side flags
+(--image-max-token-num, fps, audio in video...) are not built.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-from relax.config.errors import ConfigError
+from relax.config.rules_rollout import MODALITIES
 
-MODALITIES = ("image", "video", "audio")
 SAMPLE_KEY = "multimodal_inputs"  # Sample.metadata key
-
-
-def check_multimodal_keys(mapping: Any) -> Optional[dict[str, str]]:
-    """The validated mapping modality -> field (None when unset); errors name the flag and the fix."""
-    if mapping is None:
-        return None
-    if not isinstance(mapping, dict) or not mapping:
-        raise ConfigError('--multimodal-keys must be a non-empty JSON object, e.g. \'{"image": "images"}\'')
-    for modality, key in mapping.items():
-        if modality not in MODALITIES:
-            raise ConfigError(f"--multimodal-keys: unknown modality {modality!r}; use one of {list(MODALITIES)}")
-        if not isinstance(key, str) or not key:
-            raise ConfigError(f"--multimodal-keys: the field of {modality!r} must be a non-empty string, "
-                              f"got {key!r}")
-    return dict(mapping)
 
 
 def payload_fields(inputs: Optional[dict[str, Any]]) -> dict[str, Any]:
@@ -42,10 +26,3 @@ def payload_fields(inputs: Optional[dict[str, Any]]) -> dict[str, Any]:
     if not inputs:
         return {}
     return {f"{modality}_data": value for modality, value in inputs.items() if modality in MODALITIES}
-
-
-def require_engine_support(config: Any, backend: str) -> None:
-    """Stop before serving multimodal samples from an engine that would drop the images."""
-    if getattr(config, "multimodal_keys", None) and backend == "embedded":
-        raise ConfigError("--multimodal-keys needs an engine that takes images/videos/audio (SGLang): the "
-                          "embedded engine is text-only; use --rollout-backend sglang or drop --multimodal-keys")

@@ -133,10 +133,10 @@ class PromptEncoder:
         """From flags: ``apply_chat_template``, ``apply_chat_template_kwargs``, ``system_prompt``,
         ``rollout_max_prompt_len``."""
         kw = dict(
-            apply_chat_template=bool(getattr(args, "apply_chat_template", False)),
-            chat_template_kwargs=getattr(args, "apply_chat_template_kwargs", None) or {},
-            system_prompt=getattr(args, "system_prompt", None),
-            max_prompt_len=getattr(args, "rollout_max_prompt_len", None),
+            apply_chat_template=bool(args.apply_chat_template),
+            chat_template_kwargs=args.apply_chat_template_kwargs or {},
+            system_prompt=args.system_prompt,
+            max_prompt_len=args.rollout_max_prompt_len,
         )
         kw.update(overrides)
         return cls(tokenizer, **kw)

@@ -148,12 +148,11 @@ def group_variance_metrics(samples: Sequence[Any], prefix: str = "rollout/") -> 
 def step_log_metrics(config: Any, step: int, samples: Sequence[Any]) -> dict[str, float]:
     """The metrics of the enabled --log-* flags for one rollout step (writes correct samples when asked)."""
     out: dict[str, float] = group_variance_metrics(samples)
-    if getattr(config, "log_multi_turn", False):
+    if config.log_multi_turn:
         out.update(multi_turn_metrics(samples))
-    if getattr(config, "log_correct_samples", False):
+    if config.log_correct_samples:
         out.update(correct_metrics(samples))
         write_correct_samples(config.output_dir, step, samples)
-    key = getattr(config, "log_reward_category", None)
-    if key:
-        out.update(reward_category_metrics(samples, key))
+    if config.log_reward_category:
+        out.update(reward_category_metrics(samples, config.log_reward_category))
     return out

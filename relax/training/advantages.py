@@ -167,7 +167,7 @@ def compute_advantages_and_returns(
         adv = alg.broadcast_to_tokens(per_sample, mask)
     if config.normalize_advantages:
         adv = alg.whiten(adv, mask)
-    if getattr(config, "use_opd", False):
+    if config.use_opd:
         if old_logprobs is None or teacher_logprobs is None:
             raise ValueError("--use-opd needs the rollout policy's and the teacher's log-probs")
         student, teacher = pad_rows(old_logprobs, width), pad_rows(teacher_logprobs, width)

@@ -7,6 +7,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from relax import algorithms as alg
+from relax.config.validate import load_hook
 
 # Estimators whose loss is plain PPO clipping on per-token ratios.
 _PPO_CLIP = {"grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo", "on_policy_distillation"}
@@ -23,14 +24,6 @@ def _metric_weighting(name: str, loss_weighting: str) -> str:
     if name in _REDUCED_METRICS:
         return loss_weighting
     return "samples" if name in _SAMPLE_METRICS else "tokens"
-
-
-def _hook(path: Optional[str], flag: str) -> Optional[Callable]:
-    if not path:
-        return None
-    from relax.config.validate import import_hook
-
-    return import_hook(path, flag)
 
 
 class PolicyObjective:
@@ -103,12 +96,12 @@ class PolicyObjective:
                    use_unbiased_kl=bool(config.use_unbiased_kl), use_tis=bool(config.use_tis),
                    tis_clip=config.tis_clip, tis_clip_low=config.tis_clip_low or 0.0, use_opsm=bool(config.use_opsm),
                    opsm_delta=config.opsm_delta, get_mismatch_metrics=bool(config.get_mismatch_metrics),
-                   custom_tis=_hook(config.custom_tis_function_path, "--custom-tis-function-path"),
-                   custom_reducer=_hook(config.custom_pg_loss_reducer_function_path,
+                   custom_tis=load_hook(config.custom_tis_function_path, "--custom-tis-function-path"),
+                   custom_reducer=load_hook(config.custom_pg_loss_reducer_function_path,
                                         "--custom-pg-loss-reducer-function-path"),
-                   custom_loss=_hook(config.custom_loss_function_path, "--custom-loss-function-path")
+                   custom_loss=load_hook(config.custom_loss_function_path, "--custom-loss-function-path")
                    if config.loss_type == "custom_loss" else None,
-                   entropy_from_batch=bool(getattr(config, "use_rollout_entropy", False)))
+                   entropy_from_batch=bool(config.use_rollout_entropy))
 
     @property
     def needs_ref(self) -> bool:

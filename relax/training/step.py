@@ -10,8 +10,16 @@ import time
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 
+from relax.backends.megatron.routing_replay import rollout_routes_to_stage
+from relax.data.balance import dp_shares, strided_shares, token_spread
+from relax.data.routes import decode_routes, routes_rows
 from relax.data.sample import Sample
+from relax.observability.train_dump import save_train_data
+from relax.training.advantages import compute_advantages_and_returns, trainer_inputs
+from relax.training.objective import PolicyObjective, ValueObjective
+from relax.training.train_data import check_true_on_policy, train_samples
 
 
 def needs_reference(config: Any) -> bool:
@@ -24,13 +32,12 @@ def needs_critic(config: Any) -> bool:
 
 
 def needs_teacher(config: Any) -> bool:
-    return bool(getattr(config, "use_opd", False)) and getattr(config, "opd_type", None) == "megatron"
+    return bool(config.use_opd) and config.opd_type == "megatron"
 
 
 def actor_updates_at(config: Any, step: int) -> bool:
     """False while only the critic trains: --critic-train-only, or the first --num-critic-only-steps steps."""
-    return not (getattr(config, "critic_train_only", False) or step < (getattr(config, "num_critic_only_steps", 0)
-                                                                         or 0))
+    return not (config.critic_train_only or step < (config.num_critic_only_steps or 0))
 
 
 # per-sample rows an auxiliary role sends in `extras`: (rows key, sample-index key, what)
@@ -71,15 +78,13 @@ def train_rollout(trainer, samples: Sequence[Sample], config: Any, extras: dict[
     (lists of floats, not a metric), which the critic role takes out of the metrics as its targets.
     While only the critic trains (`actor_updates_at` False) advantages and returns are computed but the actor
     makes no update."""
-    from relax.training.advantages import compute_advantages_and_returns, trainer_inputs
-    from relax.training.objective import PolicyObjective
-    from relax.training.train_data import check_true_on_policy, train_samples
 
     t0 = time.perf_counter()
     extras = extras or {}
     if not samples:
         raise RuntimeError(f"step {step}: no samples in the data plane")
     _check_extras(samples, extras, step)
+    received = len(samples)
     custom_data = bool(config.custom_convert_samples_to_train_data_path or config.custom_reward_post_process_path)
     samples, raw_rewards, rewards, given_advantages = train_samples(samples, config, extras, step)
     objective = PolicyObjective.from_config(config)
@@ -93,7 +98,7 @@ def train_rollout(trainer, samples: Sequence[Sample], config: Any, extras: dict[
     if needs_critic(config) and values is None:
         raise RuntimeError(f"step {step}: --advantage-estimator ppo needs the critic's values, but no critic role "
                            "sent them")
-    use_opd = bool(getattr(config, "use_opd", False))
+    use_opd = bool(config.use_opd)
     if use_opd and teacher is None:
         raise RuntimeError(f"step {step}: --use-opd needs the teacher's log-probs, but no teacher role sent them")
     update_actor = actor_updates_at(config, step)
@@ -129,14 +134,12 @@ def train_rollout(trainer, samples: Sequence[Sample], config: Any, extras: dict[
             x["routed_experts"] = routes[i]
         if old_entropy is not None:
             x["old_entropy"] = old_entropy[i]
-    if getattr(config, "save_debug_train_data", None):
-        from relax.observability.train_dump import save_train_data
-
+    if config.save_debug_train_data:
         save_train_data(config.save_debug_train_data, step, _global_rank(), inputs, [s.index for s in samples])
     metrics: dict[str, list[float]] = {}
     for update in range(num_updates if update_actor else 0):
         batch = inputs[update * gbs:(update + 1) * gbs]
-        mine, spread = dp_share(batch, layout, bool(getattr(config, "balance_data", False)))
+        mine, spread = dp_share(batch, layout, bool(config.balance_data))
         for key, value in spread.items():
             metrics.setdefault(key, []).append(value)
         try:
@@ -163,6 +166,7 @@ def train_rollout(trainer, samples: Sequence[Sample], config: Any, extras: dict[
     if "critic_seconds" in extras:
         result["perf/critic_value_time"] = float(extras["critic_seconds"])
     result["train/num_updates"] = float(num_updates if update_actor else 0)
+    result["samples/trained"] = float(received if update_actor else 0)  # sample accounting (relax.observability)
     if custom_data:
         result["train/raw_reward_mean"] = float(raw_rewards.mean())
         if rewards is not None:
@@ -182,8 +186,6 @@ def dp_share(batch: Sequence[dict[str, Any]], layout, balance: bool) -> tuple[li
     """This rank's samples of one update (--balance-data: Karmarkar-Karp on token counts, else strided) and
     the spread of token totals across the data-parallel ranks (max - min): `dp_token_spread` for the assignment
     used, `dp_token_spread_strided` for the default one."""
-    from relax.data.balance import dp_shares, strided_shares, token_spread
-
     lengths = [len(x["tokens"]) for x in batch]
     shares = dp_shares(lengths, layout.dp, balance)
     return [batch[i] for i in shares[layout.dp_rank]], {
@@ -192,8 +194,6 @@ def dp_share(batch: Sequence[dict[str, Any]], layout, balance: bool) -> tuple[li
 
 
 def _global_rank() -> int:
-    import torch.distributed as dist
-
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
@@ -201,12 +201,12 @@ CRITIC_RETURNS_KEY = "critic_returns"  # not a metric: the critic role pops it f
 
 
 def _replay_routes(trainer, base: Sequence[dict[str, Any]], config: Any) -> list[torch.Tensor] | None:
-    """--use-routing-replay (helper E): each sample's MoE routing [L, n, k] under the old policy (the weights of
+    """--use-routing-replay: each sample's MoE routing [L, n, k] under the old policy (the weights of
     the old log-probs: --keep-old-actor's copy, else the current ones), recorded in a forward pass of its own;
     the training passes of this step replay it (relax.backends.megatron.routing_replay)."""
-    if not getattr(config, "use_routing_replay", False):
+    if not config.use_routing_replay:
         return None
-    weights = "old_actor" if getattr(config, "keep_old_actor", False) else None
+    weights = "old_actor" if config.keep_old_actor else None
     return trainer.compute_logprobs_and_routes(base, config.rollout_temperature, weights=weights)[1]
 
 
@@ -217,11 +217,8 @@ def rollout_replay_routes(trainer, samples: Sequence[Sample], config: Any, step:
     (`routing_replay.rollout_routes_to_stage`; the final token, never run through the engine, is replayed like
     padding, which cannot change any trained log-prob). A sample without routes, or whose routes stop before a
     token in the loss, stops the step naming it."""
-    if not getattr(config, "use_rollout_routing_replay", False):
+    if not config.use_rollout_routing_replay:
         return None
-    from relax.backends.megatron.routing_replay import rollout_routes_to_stage
-    from relax.data.routes import decode_routes, routes_rows
-
     layers = trainer.moe_stage_layers()
     topk = trainer.arch.moe_router_topk
     out = []
@@ -260,7 +257,7 @@ def _old_logprobs(trainer, base: Sequence[dict[str, Any]], config: Any, num_upda
         raise RuntimeError(f"step {step}: --keep-old-actor: no copy of the rollout policy's weights was kept")
     weights = "old_actor" if keep_old else None
     engine = bool(config.use_rollout_logprobs or config.true_on_policy_mode)
-    wanted = (num_updates > 1 or bool(config.kl_coef) or bool(getattr(config, "use_opd", False)) or keep_old)
+    wanted = (num_updates > 1 or bool(config.kl_coef) or bool(config.use_opd) or keep_old)
     recompute = config.true_on_policy_mode or config.use_rollout_entropy or (wanted and not engine)
     recomputed = entropy = None
     if recompute:
@@ -287,8 +284,6 @@ def train_critic(trainer, samples: Sequence[Sample], config: Any, old_values: Se
     """The critic's updates of one step on one rank: the value loss (`ValueObjective`) against the GAE returns,
     clipped around `old_values` (the values the advantages were computed with); the same split into
     --global-batch-size updates and data-parallel shares as the actor's. Metrics are `critic/...`."""
-    from relax.training.objective import ValueObjective
-
     t0 = time.perf_counter()
     if not samples:
         raise RuntimeError(f"step {step}: no samples in the data plane")

@@ -33,17 +33,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from relax.config.validate import load_hook
 from relax.data.sample import Sample
 
 TRUE_ON_POLICY_ATOL = 1e-4  # float32 trainer vs embedded engine: ~1e-6
-
-
-def _hook(path: Optional[str], flag: str) -> Optional[Callable]:
-    if not path:
-        return None
-    from relax.config.validate import import_hook
-
-    return import_hook(path, flag)
 
 
 def _floats(values: Any, count: int, what: str) -> torch.Tensor:
@@ -56,7 +49,7 @@ def _floats(values: Any, count: int, what: str) -> torch.Tensor:
 def post_process_rewards(samples: Sequence[Sample], config: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(raw rewards [B], post-processed rewards [B] or None when the default normalisation applies)."""
     raw = torch.tensor([float(s.reward) for s in samples], dtype=torch.float32)
-    fn = _hook(getattr(config, "custom_reward_post_process_path", None), "--custom-reward-post-process-path")
+    fn = load_hook(config.custom_reward_post_process_path, "--custom-reward-post-process-path")
     if fn is None:
         return raw, None
     out = fn(config, list(samples))
@@ -67,8 +60,8 @@ def post_process_rewards(samples: Sequence[Sample], config: Any) -> tuple[torch.
 
 
 def _uses_engine_logprobs(config: Any) -> bool:
-    return any(bool(getattr(config, k, False)) for k in ("use_rollout_logprobs", "use_tis", "use_opsm",
-                                                          "get_mismatch_metrics", "true_on_policy_mode"))
+    return bool(config.use_rollout_logprobs or config.use_tis or config.use_opsm or config.get_mismatch_metrics
+                or config.true_on_policy_mode)
 
 
 def convert_samples(samples: Sequence[Sample], config: Any, fn: Callable
@@ -86,7 +79,7 @@ def convert_samples(samples: Sequence[Sample], config: Any, fn: Callable
     for key, value in data.items():
         if isinstance(value, (list, tuple, torch.Tensor)) and len(value) != count:
             raise ValueError(f"{flag}: {key!r} has {len(value)} entries for {count} samples")
-    disabled = bool(getattr(config, "disable_compute_advantages_and_returns", False))
+    disabled = bool(config.disable_compute_advantages_and_returns)
     if "advantages" in data and not disabled:
         raise ValueError(f"{flag}: 'advantages' are used only with --disable-compute-advantages-and-returns "
                          "(otherwise advantages are computed from 'rewards')")
@@ -129,8 +122,7 @@ def convert_samples(samples: Sequence[Sample], config: Any, fn: Callable
 def train_samples(samples: Sequence[Sample], config: Any, extras: dict[str, Any], step: int
                   ) -> tuple[list[Sample], torch.Tensor, Optional[torch.Tensor], Optional[list[torch.Tensor]]]:
     """(samples to train on, raw rewards [B], post-processed rewards [B] or None, given advantages or None)."""
-    fn = _hook(getattr(config, "custom_convert_samples_to_train_data_path", None),
-               "--custom-convert-samples-to-train-data-path")
+    fn = load_hook(config.custom_convert_samples_to_train_data_path, "--custom-convert-samples-to-train-data-path")
     if fn is None:
         raw, rewards = post_process_rewards(samples, config)
         return list(samples), raw, rewards, None

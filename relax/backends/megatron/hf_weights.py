@@ -89,7 +89,7 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- #
 
 
-def _layer_hf_names(arch: ModelArch, layer: int, suffix: str) -> Optional[tuple[str, list[str]]]:
+def _layer_hf_names(layer: int, suffix: str) -> Optional[tuple[str, list[str]]]:
     """(kind, HF names) for a Megatron parameter suffix inside layer `layer`.
 
     kind is one of "copy", "qkv", "fc1".
@@ -173,7 +173,7 @@ def _param_infos(model: torch.nn.Module, arch: ModelArch) -> list[_ParamInfo]:
             mapped = _expert_hf_names(layer, global_expert, expert.group(2))
             expert_key = (layer, local_expert, expert.group(2))
         else:
-            mapped = _layer_hf_names(arch, layer, suffix)
+            mapped = _layer_hf_names(layer, suffix)
         if mapped is None:
             raise KeyError(f"no HF counterpart for Megatron parameter {name!r}")
         infos.append(
@@ -227,7 +227,8 @@ def _shard(full: torch.Tensor, dim: int, size: int, rank: int) -> torch.Tensor:
     return full.chunk(size, dim=dim)[rank]
 
 
-def _gather(shard: torch.Tensor, dim: int, group, size: int) -> list[torch.Tensor]:
+def _gather(shard: torch.Tensor, group, size: int) -> list[torch.Tensor]:
+    """Every rank's shard, in rank order (the caller concatenates them along the split dimension)."""
     if size == 1:
         return [shard]
     shard = shard.contiguous()
@@ -339,7 +340,7 @@ def _gather_full(info: _ParamInfo, arch: ModelArch) -> list[torch.Tensor]:
     param = info.param.detach()
     group, size, _ = _tp_group(info)
     dim = getattr(info.param, "partition_dim", 0)
-    parts = _gather(param, dim, group, size) if _is_split(info.param) else [param]
+    parts = _gather(param, group, size) if _is_split(info.param) else [param]
     if info.kind == "fc1":
         halves = [p.chunk(2, dim=0) for p in parts]
         return [torch.cat([h[0] for h in halves], dim=dim), torch.cat([h[1] for h in halves], dim=dim)]
@@ -363,7 +364,7 @@ def _gather_experts(
     num_local = arch.num_experts // ep
     out: list[tuple[str, torch.Tensor]] = []
     for index, (_, tensor) in enumerate(named):
-        parts = _gather(tensor, 0, group, ep)
+        parts = _gather(tensor, group, ep)
         for rank, part in enumerate(parts):
             names = _expert_hf_names(layer, rank * num_local + local, suffix)[1]
             out.append((names[index], part))

@@ -50,4 +50,4 @@ def add_flags(parser):
                    help="Run rollout, log-prob, advantage and training roles as a streaming asynchronous pipeline.")
     g.add_argument("--rollout-backend", type=str, default="auto", choices=["auto", "sglang", "embedded"],
                    help="Inference engine behind the SGLang HTTP API: real SGLang servers, the embedded "
-                        "transformers engine, or auto (SGLang when a GPU and SGLang are present, else embedded).")
+                        "transformers engine, or auto.")

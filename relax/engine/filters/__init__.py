@@ -1,0 +1,1 @@
+"""Stable path of the built-in dynamic-sampling filters (see relax.engine)."""

@@ -1,21 +1,6 @@
-"""Built-in dynamic-sampling filters: `fn(args, group) -> bool` (keep the group?)."""
+"""Stable path of the built-in dynamic-sampling filters (`--dynamic-sampling-filter-path`); see
+relax.rollout.filters."""
 
-from __future__ import annotations
+from relax.rollout.filters import check_reward_nonzero_std
 
-import statistics
-from typing import Any, Sequence
-
-
-def _reward(sample: Any) -> float:
-    reward = sample.reward if hasattr(sample, "reward") else sample["reward"]
-    return float(reward)
-
-
-def check_reward_nonzero_std(args: Any, group: Sequence[Any]) -> bool:
-    """Keep a prompt's group only if its rewards differ (DAPO dynamic sampling).
-
-    A group whose samples all scored the same gives every sample a zero GRPO advantage, so it carries
-    no learning signal and only dilutes the batch.
-    """
-    rewards = [_reward(s) for s in group]
-    return len(rewards) > 1 and statistics.pstdev(rewards) > 0.0
+__all__ = ["check_reward_nonzero_std"]

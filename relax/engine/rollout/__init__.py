@@ -1,0 +1,1 @@
+"""Stable paths of the default rollout function and data source (see relax.engine)."""
