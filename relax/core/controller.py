@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,13 @@ import ray
 from relax.backends.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
 from relax.config.config import Config
 from relax.config.errors import ConfigError
+from relax.core.calls import descendants, run_bounded, run_quietly, stop_processes, wait_all, wait_quietly
+from relax.core.deadlines import FLAGS, Call, Deadlines, RoleFailure, console_line
 from relax.core.preflight import preflight
+from relax.weights.shm import sweep_stale_segments
 
 logger = logging.getLogger("relax")
+trace_log = logging.getLogger("relax.trace")  # tracebacks: the run's log file only (see run_controller)
 
 
 class Controller:
@@ -37,6 +42,9 @@ class Controller:
         self.start_step = 0
         self.aux = None
         self.colocate = None
+        self.deadlines = Deadlines.from_config(config)
+        self.worker_where: list[str | None] = []  # "host pid N" of each trainer rank, for error lines
+        self._in_flight: list[tuple[Any, Any]] = []  # (actor, ref) of calls not known to be finished
 
     # ------------------------------------------------------------------ start-up
     def start(self) -> None:
@@ -89,12 +97,13 @@ class Controller:
         ]
         master_addr, master_port = ray.get(self.workers[0].master_address.remote())
         backend = c.distributed_backend if use_gpu else "gloo"
-        infos = ray.get([w.setup.remote(master_addr, master_port, backend) for w in self.workers])
+        infos = self._trainers("setup", "setup", None, master_addr, master_port, backend)
+        self.worker_where = [info.get("where") for info in infos]
         logger.info("trainer: %d rank(s), data-parallel %d, %d parameters", actor_world, infos[0]["dp"],
                     infos[0]["params"])
         self.rollout = RolloutManager.options(num_cpus=1, runtime_env={"env_vars": engine_key}).remote(c)
         if not c.debug_train_only:  # train-only debugging replays saved rollouts: no engines
-            self.engine_urls = ray.get(self.rollout.start_engines.remote(pg_rollout))
+            self.engine_urls = self._rollout_call("start_engines", "engine and router start", None, pg_rollout)
             logger.info("rollout: %d engine(s) behind %s", len(self.engine_urls),
                         ray.get(self.rollout.router_url.remote()))
         from relax.core.roles import build_aux_roles
@@ -109,46 +118,50 @@ class Controller:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
-        self.colocate.start()  # --offload-train: the trainer makes room for the first rollout
-        try:
-            self._loop()
-        finally:
-            self.colocate.finish()
+        self._colocate("start", None, self.colocate.start)  # --offload-train: room for the first rollout
+        self._loop()
+        # everything resident again for the final checks; after a failure the shutdown kills it all anyway
+        self._colocate("finish", None, self.colocate.finish)
 
     def _loop(self) -> None:
         c = self.config
         if self._eval_enabled() and not c.skip_eval_before_train:
-            self.metrics.log(self.start_step, {**ray.get(self.rollout.evaluate.remote(self.start_step)),
-                                               "eval/before_train": 1.0})
+            before = self._rollout_call("evaluate", "evaluation", self.start_step, self.start_step)
+            self.metrics.log(self.start_step, {**before, "eval/before_train": 1.0})
         for step in range(self.start_step, c.num_rollout):
             t0 = time.perf_counter()
-            metrics = ray.get(self.rollout.generate.remote(step))
+            metrics = self._rollout_call("generate", "generate", step, step)
             t1 = time.perf_counter()
-            metrics["data/step_samples"] = float(self.data.size(step))  # what went through TransferQueue
+            # what went through TransferQueue
+            metrics["data/step_samples"] = float(self._data_call("count the step's samples", step, self.data.size))
             will_sync = (step + 1) % c.update_weights_interval == 0 and not (c.debug_rollout_only
                                                                             or c.debug_train_only)
             if not c.debug_rollout_only:
-                metrics.update(self.colocate.before_train(step, will_sync))  # engines release, trainer reloads
-                extras = self.aux.pre_train(step)
-                outputs = ray.get([w.train.remote(step, extras) for w in self.workers])
-                self.aux.post_train(step, outputs[0])
+                # engines release, trainer reloads
+                metrics.update(self._colocate("release engines, reload trainer", step,
+                                              lambda: self.colocate.before_train(step, will_sync)))
+                extras = self._aux_call("log-probs before the update", step, lambda: self.aux.pre_train(step))
+                outputs = self._trainers("train", "train step", step, step, extras)
+                self._aux_call("update after the actor's", step, lambda: self.aux.post_train(step, outputs[0]))
                 metrics.update(outputs[0])
             t2 = time.perf_counter()
-            self.data.clear(step)
+            self._data_call("clear the step", step, self.data.clear)
             sync_time = 0.0
             if will_sync:
-                metrics.update(self.colocate.before_sync(step))  # engines' weights back, KV cache still released
-                reports = ray.get([w.push_weights.remote(self.engine_urls, step + 1, c.update_weight_buffer_size)
-                                   for w in self.workers])
+                # engines' weights back, KV cache still released
+                metrics.update(self._colocate("resume engines' weights", step, lambda: self.colocate.before_sync(step)))
+                reports = self._trainers("push_weights", "weight push", step, self.engine_urls, step + 1,
+                                         c.update_weight_buffer_size)
                 sync = reports[0]
                 sync_time = time.perf_counter() - t2
-                self.aux.after_weight_update(step)
+                self._aux_call("reference refresh", step, lambda: self.aux.after_weight_update(step))
                 metrics.update({"perf/weight_sync_bytes": float(sync["bytes"]),
                                 "perf/weight_sync_bytes_per_s": sync["bytes_per_s"],
                                 "weights/version": float(step + 1)})
             t3 = time.perf_counter()
             if c.save and ((c.save_interval and (step + 1) % c.save_interval == 0) or step + 1 == c.num_rollout):
-                self.save(step + 1)
+                run_bounded(lambda: self.save(step + 1), Call("checkpoint", "save", step=step),
+                            deadline_s=self.deadlines.train_s, flag=FLAGS["train"])
             step_time = time.perf_counter() - t0
             metrics.update({
                 "perf/rollout_time": t1 - t0, "perf/train_time": t2 - t1, "perf/weight_sync_time": sync_time,
@@ -156,14 +169,86 @@ class Controller:
                 "perf/tokens_per_s": metrics.get("train/tokens", 0.0) / step_time,
                 "perf/samples_per_s": metrics.get("rollout/num_samples", 0.0) / step_time,
             })
-            metrics.update(self.colocate.after_step(step))  # trainer offloads, engines resume the KV cache
+            # trainer offloads, engines resume the KV cache
+            metrics.update(self._colocate("offload trainer, resume engines", step,
+                                          lambda: self.colocate.after_step(step)))
             if self._eval_enabled() and (step + 1) % c.eval_interval == 0:
-                metrics.update(ray.get(self.rollout.evaluate.remote(step + 1)))
+                metrics.update(self._rollout_call("evaluate", "evaluation", step + 1, step + 1))
             self.metrics.log(step, metrics)
 
     def _eval_enabled(self) -> bool:
         c = self.config
         return bool(c.eval_interval) and bool(c.eval_prompt_data or c.eval_config)
+
+    # ------------------------------------------------------------------ calls with deadlines (relax.core.deadlines)
+    def _wait(self, actors: list[Any], refs: list[Any], calls: list[Call], deadline_s: float | None,
+              flag: str) -> list[Any]:
+        self._in_flight = list(zip(actors, refs))
+        results = wait_all(refs, calls, deadline_s=deadline_s, flag=flag)
+        self._in_flight = []
+        return results
+
+    def _trainers(self, method: str, action: str, step: int | None, *args: Any) -> list[Any]:
+        """`method(*args)` on every trainer rank, within --train-step-timeout."""
+        refs = [getattr(w, method).remote(*args) for w in self.workers]
+        calls = [Call("trainer", action, rank=r, address=self._where(r), step=step) for r in range(len(refs))]
+        return self._wait(self.workers, refs, calls, self.deadlines.train_s, FLAGS["train"])
+
+    def _where(self, rank: int) -> str | None:
+        return self.worker_where[rank] if rank < len(self.worker_where) else None
+
+    def _rollout_call(self, method: str, action: str, step: int | None, *args: Any) -> Any:
+        """The rollout role's step: no deadline of its own (each engine request and reward call it makes has
+        one, --generate-timeout and --reward-timeout), but waited for in short slices (signals act at once).
+        When generation failed, the engines that no longer answer are named too."""
+        ref = getattr(self.rollout, method).remote(*args)
+        try:
+            return self._wait([self.rollout], [ref], [Call("rollout", action, step=step)], None, "")[0]
+        except RoleFailure as exc:
+            if "GenerationError" in str(exc):
+                exc.add_detail(self._silent_engines())
+            raise
+
+    def _silent_engines(self) -> str:
+        """Which engines do not answer /health within the control deadline (at most 5 s), as a clause."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from relax.backends.engine_client import EngineClient
+
+        if not self.engine_urls:
+            return ""
+        wait_s = min(5.0, self.deadlines.control_s)
+
+        def healthy(url: str) -> bool:
+            client = EngineClient(url, timeout_s=wait_s)
+            try:
+                return client.health(timeout_s=wait_s)
+            finally:
+                client.close()
+
+        with ThreadPoolExecutor(max_workers=len(self.engine_urls)) as pool:
+            answers = list(pool.map(healthy, self.engine_urls))
+        silent = [u for u, ok in zip(self.engine_urls, answers) if not ok]
+        if not silent:
+            return ""
+        return f"engine {', '.join(silent)} does not answer /health within {wait_s:g} s"
+
+    def _aux_call(self, action: str, step: int, fn: Any) -> Any:
+        names = [n for n in ("reference", "teacher", "critic") if getattr(self.aux, n, None) is not None]
+        if not names:
+            return fn()  # no auxiliary role: nothing is called
+        return run_bounded(fn, Call("/".join(names) or "auxiliary roles", action, step=step),
+                           deadline_s=self.deadlines.train_s, flag=FLAGS["train"])
+
+    def _data_call(self, action: str, step: int, fn: Any) -> Any:
+        return run_bounded(lambda: fn(step), Call("data plane (storage units)", action, step=step),
+                           deadline_s=self.deadlines.control_s, flag=FLAGS["control"])
+
+    def _colocate(self, action: str, step: int | None, fn: Any) -> Any:
+        if not self.colocate.active:
+            return fn()  # nothing to call: every hook returns at once
+        return run_bounded(fn, Call("colocation (engines and trainer ranks)", action, step=step),
+                           deadline_s=self.deadlines.train_s, flag=FLAGS["train"])
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, rollout_id: int) -> Path:
@@ -178,34 +263,37 @@ class Controller:
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:
+        """Stop everything within bounded waits; never wait behind a stuck call.
+
+        Idle roles are asked to stop, all at once, for up to `Deadlines.shutdown_s`; a role still busy with a
+        call (a reward that never returns, a push to a stopped engine) is not asked, since its request would
+        queue behind that call. Then every actor is killed, the data plane and Ray are stopped, any process
+        the run started that is still there (a SIGSTOPped engine cannot act on its parent's death) is
+        signalled, and weight-sync segments whose writer is gone are removed from /dev/shm."""
+        grace = self.deadlines.shutdown_s
+        started = descendants() if self.started_ray else []
+        busy = self._busy_actors()
+        aux_actors, aux_groups = self._aux_handles()
+        aux_stop = None
         if self.aux is not None:
-            try:
-                self.aux.shutdown()
-            except Exception as exc:
-                logger.warning("auxiliary roles shutdown: %s", exc)
-        if self.rollout is not None:
-            try:
-                ray.get(self.rollout.shutdown.remote(), timeout=60)
-            except Exception as exc:
-                logger.warning("rollout shutdown: %s", exc)
-        for w in self.workers:
-            try:
-                ray.get(w.shutdown.remote(), timeout=30)
-            except Exception:
-                pass
-        for actor in self.workers + ([self.rollout] if self.rollout is not None else []):
+            aux_stop = threading.Thread(target=self._stop_aux, name="relax-stop-aux", daemon=True)
+            aux_stop.start()
+        t0 = time.monotonic()
+        stops = [self.rollout.shutdown.remote()] if self.rollout is not None and id(self.rollout) not in busy else []
+        stops += [w.shutdown.remote() for w in self.workers if id(w) not in busy]
+        wait_quietly(stops, grace)
+        if aux_stop is not None:
+            aux_stop.join(max(0.0, grace - (time.monotonic() - t0)))
+        for actor in self.workers + aux_actors + ([self.rollout] if self.rollout is not None else []):
             try:
                 ray.kill(actor)
             except Exception:
                 pass
         if self.data is not None:
-            try:
-                self.data.shutdown()
-            except Exception as exc:
-                logger.warning("data plane shutdown: %s", exc)
+            run_quietly(self.data.shutdown, grace, "stop the data plane")
         from ray.util.placement_group import remove_placement_group
 
-        for pg in self.placement_groups:
+        for pg in self.placement_groups + aux_groups:
             try:
                 remove_placement_group(pg)
             except Exception:
@@ -214,6 +302,35 @@ class Controller:
             self.metrics.close()
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
+        left = stop_processes(started)
+        if left:
+            trace_log.warning("shutdown: signalled %d process(es) still running: %s", len(left), left)
+        sweep_stale_segments()  # the trainer's /dev/shm segment, when its process was killed before closing it
+
+    def _busy_actors(self) -> set[int]:
+        """Actors (by id of their handle) with a call of the loop that has not finished."""
+        busy = set()
+        for actor, ref in self._in_flight:
+            try:
+                done, _ = ray.wait([ref], timeout=0)
+            except Exception:
+                done = []
+            if not done:
+                busy.add(id(actor))
+        return busy
+
+    def _aux_handles(self) -> tuple[list[Any], list[Any]]:
+        """The auxiliary roles' actors and placement groups, to kill them if they do not stop in time."""
+        groups = [getattr(self.aux, n, None) for n in ("reference", "teacher", "critic")]
+        actors = [w for g in groups if g is not None for w in getattr(g, "workers", None) or []]
+        pgs = [g.placement_group for g in groups if getattr(g, "placement_group", None) is not None]
+        return actors, pgs
+
+    def _stop_aux(self) -> None:
+        try:
+            self.aux.shutdown()
+        except Exception as exc:
+            trace_log.warning("auxiliary roles shutdown", exc_info=exc)
 
 
 def _raise_interrupt(signum, frame):
@@ -221,11 +338,16 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt(_raise_interrupt.received)
 
 
-def _install_signal_handlers() -> None:
+def _note_signal(signum, frame):
+    """During the shutdown: a second SIGTERM/SIGINT must not cut the cleanup short (it is bounded anyway)."""
+    logger.warning("%s received during shutdown; still stopping", signal.Signals(signum).name)
+
+
+def _install_signal_handlers(handler=_raise_interrupt) -> None:
     """SIGTERM and SIGINT stop the run cleanly, also when the shell started it with SIGINT ignored
     (a background job of a script) or Ray replaced a handler."""
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    signal.signal(signal.SIGINT, _raise_interrupt)
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
 
 
 def run_controller(config: Config) -> int:
@@ -250,9 +372,12 @@ def run_controller(config: Config) -> int:
     except ConfigError as exc:
         logger.error("%s", exc)
         return 2
-    trace_log = logging.getLogger("relax.trace")  # full tracebacks go to the log file only
-    trace_log.propagate = False
-    trace_log.addHandler(logging.FileHandler(out / "logs" / "relax.log"))
+    log_path = out / "logs" / "relax.log"
+    trace_log.propagate = False  # full tracebacks go to the log file only
+    trace_log.addHandler(logging.FileHandler(log_path))
+    # The failure the loop reports is the one line below; errors of the other ranks' calls that were left
+    # behind would otherwise print their tracebacks on the console when Ray drops them.
+    os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     _install_signal_handlers()
     controller = Controller(config)
     try:
@@ -269,17 +394,9 @@ def run_controller(config: Config) -> int:
         logger.error("terminated (exit %s); shutting down", exc.code)
         return 143
     except Exception as exc:
-        logger.error("run failed: %s: %s (traceback in %s)", type(exc).__name__, _first_line(exc),
-                     out / "logs" / "relax.log")
+        logger.error("%s", console_line(exc, log_path))
         trace_log.error("traceback of the failure", exc_info=True)
         return 1
     finally:
+        _install_signal_handlers(_note_signal)
         controller.shutdown()
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc)
-    if isinstance(exc, ray.exceptions.RayTaskError):
-        cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-        text = f"{type(cause).__name__}: {cause}"
-    return text.strip().splitlines()[-1] if text.strip() else repr(exc)
