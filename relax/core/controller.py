@@ -45,6 +45,8 @@ class Controller:
         self.deadlines = Deadlines.from_config(config)
         self.worker_where: list[str | None] = []  # "host pid N" of each trainer rank, for error lines
         self._in_flight: list[tuple[Any, Any]] = []  # (actor, ref) of calls not known to be finished
+        # Processes this one had started before the run (e.g. a test's servers): the shutdown leaves them alone.
+        self._earlier_children = {p.pid for p in descendants()}
 
     # ------------------------------------------------------------------ start-up
     def start(self) -> None:
@@ -271,7 +273,7 @@ class Controller:
         the run started that is still there (a SIGSTOPped engine cannot act on its parent's death) is
         signalled, and weight-sync segments whose writer is gone are removed from /dev/shm."""
         grace = self.deadlines.shutdown_s
-        started = descendants() if self.started_ray else []
+        started = [p for p in descendants() if p.pid not in self._earlier_children] if self.started_ray else []
         busy = self._busy_actors()
         aux_actors, aux_groups = self._aux_handles()
         aux_stop = None
