@@ -52,10 +52,14 @@ def ray_session():
 
 
 def pytest_sessionfinish(session, exitstatus):
+    import shutil
+
     import ray
 
     if ray.is_initialized():
         ray.shutdown()
+    for path in _TINY_MODELS.values():
+        shutil.rmtree(path.parent, ignore_errors=True)
 
 
 def assert_ray_released(timeout_s: float = 30.0) -> None:
@@ -74,6 +78,27 @@ def assert_ray_released(timeout_s: float = 30.0) -> None:
             raise AssertionError(f"the shared Ray cluster still has {ray.cluster_resources()['CPU'] - free:g} CPU(s) "
                                  "held after shutdown (an actor or placement group was left behind)")
         time.sleep(0.2)
+
+
+_TINY_MODELS: dict = {}
+
+
+def shared_tiny_model():
+    """The tests' tiny model (qwen2-shaped, random init seed 0, byte-level tokenizer), built once per session in
+    a temporary folder. Read-only: a test that changes a model builds its own."""
+    import tempfile
+
+    from relax.models.tiny import TinyArch, build_tiny_model_dir
+
+    if "qwen2" not in _TINY_MODELS:
+        folder = Path(tempfile.mkdtemp(prefix="relax-tests-tiny-"))
+        _TINY_MODELS["qwen2"] = build_tiny_model_dir(folder / "model", TinyArch(family="qwen2"), seed=0)
+    return _TINY_MODELS["qwen2"]
+
+
+@pytest.fixture
+def tiny_model():
+    return str(shared_tiny_model())
 
 
 def run_steps(config, after_start=None) -> list[dict]:

@@ -10,12 +10,11 @@ import shutil
 
 import torch
 
-from conftest import shared_ray
+from conftest import shared_ray, shared_tiny_model
 
 from relax.config import parse_config
 from relax.core.controller import Controller
 from relax.models.tasks import generate_task_dataset
-from relax.models.tiny import TinyArch, build_tiny_model_dir
 
 pytestmark = pytest.mark.e2e  # a whole run: Ray, trainer, engines (deselect with -m 'not e2e')
 
@@ -40,7 +39,7 @@ def _rollout(path):
 
 
 def test_resume_is_exact(tmp_path):
-    model = str(build_tiny_model_dir(tmp_path / "model", TinyArch(family="qwen2"), seed=0))
+    model = str(shared_tiny_model())
     data = str(generate_task_dataset(tmp_path / "train.jsonl", 20, seed=0, task="add_mod10"))
 
     def args(name, *extra):

@@ -11,13 +11,12 @@ import pytest
 import ray
 import torch
 
-from conftest import shared_ray
+from conftest import shared_ray, shared_tiny_model
 
 from relax.config import parse_config
 from relax.core import checkpointing
 from relax.core.checkpointing import CheckpointError, resume_from, save_checkpoint, wait_for_pending_save
 from relax.models.tasks import generate_task_dataset
-from relax.models.tiny import TinyArch, build_tiny_model_dir
 
 
 @ray.remote
@@ -75,7 +74,7 @@ def env(tmp_path_factory):
     from relax.roles.trainer import TrainerWorker
 
     base = tmp_path_factory.mktemp("ckpt")
-    model = str(build_tiny_model_dir(base / "model", TinyArch(family="qwen2"), seed=0))
+    model = str(shared_tiny_model())
     data = str(generate_task_dataset(base / "train.jsonl", 8, seed=0, task="add_mod10"))
     common = ["--hf-checkpoint", model, "--prompt-data", data, "--input-key", "input", "--label-key", "label",
               "--lr", "1e-2", "--num-rollout", "100", "--micro-batch-size", "2", "--rollout-batch-size", "2",

@@ -7,9 +7,10 @@ import asyncio
 import pytest
 import torch
 
+from conftest import shared_tiny_model
+
 from relax.backends.embedded.engine import EmbeddedEngine
 from relax.backends.embedded.sampling import SamplingParams
-from relax.models.tiny import TinyArch, build_tiny_model_dir
 from relax.rollout import generate as gen
 
 torch.set_num_threads(1)
@@ -17,7 +18,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    path = str(build_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "m", TinyArch(family="qwen2"), seed=0))
+    path = str(shared_tiny_model())
     eng = EmbeddedEngine(path, random_seed=0, max_running_requests=16).start()
     yield eng
     eng.shutdown()

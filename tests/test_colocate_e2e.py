@@ -15,14 +15,13 @@ import json
 import pytest
 import ray
 
-from conftest import shared_ray
+from conftest import shared_ray, shared_tiny_model
 
 from relax.backends.engine_client import EngineClient
 from relax.config import parse_config
 from relax.config.errors import ConfigError
 from relax.core.controller import Controller
 from relax.models.tasks import generate_task_dataset
-from relax.models.tiny import TinyArch, build_tiny_model_dir
 
 pytestmark = pytest.mark.e2e  # whole runs: Ray, trainer, engines (deselect with -m 'not e2e')
 
@@ -32,7 +31,7 @@ RUNS: dict = {}
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     base = tmp_path_factory.mktemp("colocate")
-    model = build_tiny_model_dir(base / "model", TinyArch(family="qwen2"), seed=0)
+    model = shared_tiny_model()
     data = generate_task_dataset(base / "train.jsonl", 40, seed=0, task="add_mod10")
     return base, str(model), str(data)
 

@@ -5,6 +5,8 @@ training without it."""
 import pytest
 import torch
 
+from conftest import shared_tiny_model
+
 from relax.backends.megatron.arch import ModelArch
 from relax.backends.megatron.offload import TrainerOffloader, rss_bytes
 from relax.backends.megatron.testing import build_random_tiny_model, ensure_single_process, toy_pg_loss, toy_samples
@@ -86,9 +88,8 @@ def test_engine_resumes_tag_by_tag_and_logs_events(tmp_path):
     KV cache (generation again); the engine's event log records it."""
     from relax.backends.embedded.engine import EmbeddedEngine
     from relax.backends.embedded.sampling import SamplingParams
-    from relax.models.tiny import TinyArch, build_tiny_model_dir
 
-    model = str(build_tiny_model_dir(tmp_path / "m", TinyArch(family="qwen2"), seed=0))
+    model = str(shared_tiny_model())
     eng = EmbeddedEngine(model, random_seed=0, offload_weights_on_release=True).start()
 
     def gen():

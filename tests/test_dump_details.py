@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import shared_tiny_model
+
 from relax.config import parse_config
 from relax.core.controller import run_controller
-from relax.models.tiny import TinyArch, build_tiny_model_dir
 from relax.observability.train_dump import load_train_data, save_train_data, train_data_path
 
 
@@ -30,7 +31,7 @@ def test_train_data_path_and_rank_rule(tmp_path):
 
 
 def test_dump_details_writes_rollout_and_train_data_of_every_step(tmp_path):
-    model = build_tiny_model_dir(tmp_path / "model", TinyArch(family="qwen2"), seed=0)
+    model = shared_tiny_model()
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"input": f"{i}", "label": str(i % 3)}) + "\n" for i in range(8)))
     dump = tmp_path / "dump"

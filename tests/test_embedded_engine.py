@@ -7,6 +7,8 @@ import time
 import pytest
 import torch
 
+from conftest import shared_tiny_model
+
 from relax.backends.embedded.engine import EmbeddedEngine, EngineError
 from relax.backends.embedded.sampling import SamplingParams
 from relax.backends.embedded.testing import (
@@ -17,14 +19,13 @@ from relax.backends.embedded.testing import (
     reference_logprobs,
     response_logprobs,
 )
-from relax.models.tiny import TinyArch, build_tiny_model_dir
 
 torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return str(build_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "m", TinyArch(family="qwen2"), seed=0))
+    return str(shared_tiny_model())
 
 
 @pytest.fixture(scope="module")

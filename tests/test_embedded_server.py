@@ -7,6 +7,8 @@ import time
 import pytest
 import requests
 
+from conftest import shared_tiny_model
+
 from relax.backends.embedded.launcher import EmbeddedServerProcess
 from relax.backends.embedded.testing import (
     load_reference_model,
@@ -16,14 +18,13 @@ from relax.backends.embedded.testing import (
     response_logprobs,
 )
 from relax.backends.engine_client import EngineClient, EngineRequestError
-from relax.models.tiny import TinyArch, build_tiny_model_dir
 
 T = 30  # seconds, per HTTP call
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return str(build_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "m", TinyArch(family="qwen2"), seed=0))
+    return str(shared_tiny_model())
 
 
 @pytest.fixture(scope="module")

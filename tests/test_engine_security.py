@@ -10,12 +10,11 @@ import pytest
 import requests
 import torch
 
-from conftest import shared_ray
+from conftest import shared_ray, shared_tiny_model
 
 from relax.backends.auth import OPEN_ENDPOINTS, auth_headers, authorized, ensure_engine_api_key
 from relax.backends.embedded.launcher import EmbeddedServerProcess
 from relax.backends.megatron.checkpoint import load_state_file
-from relax.models.tiny import TinyArch, build_tiny_model_dir
 from relax.weights.serialize import deserialize_named_tensors, restricted_loads, serialize_named_tensors
 
 
@@ -94,7 +93,7 @@ def test_authorized_compares_bearer_tokens():
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     ensure_engine_api_key()
-    model = build_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "m", TinyArch(family="qwen2"), seed=0)
+    model = shared_tiny_model()
     proc = EmbeddedServerProcess(str(model))
     try:
         proc.start()

@@ -5,6 +5,8 @@ bridge and raw must give identical weights."""
 import pytest
 import torch
 
+from conftest import shared_tiny_model
+
 from relax.backends.megatron import bridge as B
 from relax.config.errors import ConfigError
 
@@ -12,9 +14,8 @@ torch.set_num_threads(1)
 
 
 def _argv(tmp_path, *extra):
-    from relax.models.tiny import TinyArch, build_tiny_model_dir
 
-    return ["--hf-checkpoint", str(build_tiny_model_dir(tmp_path / "m", TinyArch(family="qwen2"), seed=0)), *extra]
+    return ["--hf-checkpoint", str(shared_tiny_model()), *extra]
 
 
 @pytest.mark.skipif(B.bridge_unavailable_reason() is None, reason="Megatron-Bridge imports here")

@@ -8,11 +8,10 @@ import json
 import pytest
 import ray
 
-from conftest import shared_ray
+from conftest import shared_ray, shared_tiny_model
 
 from relax.config import parse_config
 from relax.core.controller import Controller
-from relax.models.tiny import TinyArch, build_tiny_model_dir
 
 pytestmark = pytest.mark.e2e  # a whole run: Ray, trainer, engines (deselect with -m 'not e2e')
 
@@ -40,7 +39,7 @@ def eval_log_fn(args, rollout_id, data, metrics):
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     base = tmp_path_factory.mktemp("rollout_e2e")
-    model = build_tiny_model_dir(base / "model", TinyArch(family="qwen2"), seed=0)
+    model = shared_tiny_model()
     data = base / "train.jsonl"
     data.write_text("".join(json.dumps({"input": f"{i}+{i}=", "label": str(2 * i % 10)}) + "\n" for i in range(8)))
     evald = base / "eval.jsonl"

@@ -12,12 +12,11 @@ import psutil
 import pytest
 import ray
 
-from conftest import assert_ray_released, shared_ray
+from conftest import assert_ray_released, shared_ray, shared_tiny_model
 
 from relax.backends.embedded.launcher import EmbeddedServerProcess
 from relax.config import parse_config
 from relax.core.controller import Controller
-from relax.models.tiny import TinyArch, build_tiny_model_dir
 
 pytestmark = pytest.mark.e2e  # a whole run: Ray, trainer, engines (deselect with -m 'not e2e')
 
@@ -25,7 +24,7 @@ pytestmark = pytest.mark.e2e  # a whole run: Ray, trainer, engines (deselect wit
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     base = tmp_path_factory.mktemp("external")
-    model = build_tiny_model_dir(base / "model", TinyArch(family="qwen2"), seed=0)
+    model = shared_tiny_model()
     data = base / "train.jsonl"
     data.write_text("".join(json.dumps({"input": f"{i}+{i}=", "label": str(2 * i % 10)}) + "\n" for i in range(8)))
     return base, str(model), str(data)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_ray_released, shared_ray
+from conftest import assert_ray_released, shared_ray, shared_tiny_model
 
 from relax.data.sample import Sample
 from relax.rollout.step_logs import (correct_metrics, mask_runs, multi_turn_metrics, reward_category_metrics,
@@ -98,10 +98,9 @@ async def short_eval(ctx, rollout_id, eval_set, groups):
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from relax.models.tiny import TinyArch, build_tiny_model_dir
 
     base = tmp_path_factory.mktemp("flags_logging")
-    model = build_tiny_model_dir(base / "model", TinyArch(family="qwen2"), seed=0)
+    model = shared_tiny_model()
     rows = [{"input": f"Use calc(...) to compute {a}+{b}.", "label": str(a + b), "metadata": {"max_turns": 3}}
             for a in range(2) for b in range(2)]
     data = base / "prompts.jsonl"
@@ -111,8 +110,6 @@ def assets(tmp_path_factory):
 
 @pytest.mark.e2e
 def test_logging_flags_and_eval_function_through_the_controller(assets, monkeypatch):
-    import ray
-
     from relax.config import parse_config
     from relax.core.controller import Controller
     from relax.rollout.debug_data import load_rollout_data

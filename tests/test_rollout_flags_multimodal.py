@@ -8,9 +8,10 @@ import json
 
 import pytest
 
+from conftest import shared_tiny_model
+
 from relax.config import parse_config
 from relax.config.errors import ConfigError
-from relax.models.tiny import TinyArch, build_tiny_model_dir
 from relax.rollout.buffer import build_data_source
 
 IMAGES = [["a.png", "b.png"], None, "data:image/png;base64,AAAA"]
@@ -19,7 +20,7 @@ IMAGES = [["a.png", "b.png"], None, "data:image/png;base64,AAAA"]
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     base = tmp_path_factory.mktemp("mm")
-    model = build_tiny_model_dir(base / "model", TinyArch(family="qwen2"), seed=0)
+    model = shared_tiny_model()
     data = base / "train.jsonl"
     rows = []
     for i, img in enumerate(IMAGES):

@@ -7,9 +7,10 @@ import json
 
 import pytest
 
+from conftest import shared_tiny_model
+
 from relax.backends.embedded.launcher import EmbeddedServerProcess
 from relax.config import parse_config
-from relax.models.tiny import TinyArch, build_tiny_model_dir
 from relax.rollout.buffer import build_data_source
 from relax.rollout.context import RolloutContext, load_hook
 from relax.rollout.rewards import RewardRunner
@@ -20,7 +21,7 @@ PREFIX = [65, 66, 67]
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     base = tmp_path_factory.mktemp("partial")
-    model = build_tiny_model_dir(base / "model", TinyArch(family="qwen2"), seed=0)
+    model = shared_tiny_model()
     data = base / "train.jsonl"
     data.write_text("".join(json.dumps({"input": f"{i}+{i}=", "label": str(2 * i)}) + "\n" for i in range(6)))
     return base, str(model), str(data)

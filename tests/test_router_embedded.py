@@ -5,18 +5,19 @@ import os
 import pytest
 import requests
 
+from conftest import shared_tiny_model
+
 from relax.backends.embedded.launcher import EmbeddedServerProcess
 from relax.backends.embedded.testing import load_reference_model, perturbed_state_dict, reference_greedy
 from relax.backends.engine_client import EngineClient, update_weights_from_tensor_many
 from relax.backends.sglang.router import RouterError, RouterProcess
-from relax.models.tiny import TinyArch, build_tiny_model_dir
 
 T = 30
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return str(build_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "m", TinyArch(family="qwen2"), seed=0))
+    return str(shared_tiny_model())
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,11 @@ import math
 import pytest
 import ray
 
-from conftest import assert_ray_released, shared_ray
+from conftest import assert_ray_released, shared_ray, shared_tiny_model
 
 from relax.config import parse_config
 from relax.core.controller import Controller
 from relax.models.tasks import generate_task_dataset
-from relax.models.tiny import TinyArch, build_tiny_model_dir
 
 pytestmark = pytest.mark.e2e  # a whole run: Ray, trainer, engines (deselect with -m 'not e2e')
 
@@ -28,7 +27,7 @@ STATE: dict = {}
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     base = tmp_path_factory.mktemp("e2e_ppo")
-    model = build_tiny_model_dir(base / "model", TinyArch(family="qwen2"), seed=0)
+    model = shared_tiny_model()
     data = generate_task_dataset(base / "train.jsonl", 40, seed=0, task="add_mod10")
     return base, str(model), str(data)
 

@@ -14,7 +14,7 @@ import math
 import pytest
 import ray
 
-from conftest import assert_ray_released, shared_ray
+from conftest import assert_ray_released, shared_ray, shared_tiny_model
 
 from relax.config import parse_config
 from relax.config.support import unsupported_flags
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.e2e  # a whole run: Ray, trainer, engines (deselect wit
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     base = tmp_path_factory.mktemp("e2e_flags")
-    model = build_tiny_model_dir(base / "model", TinyArch(family="qwen2"), seed=0)
+    model = shared_tiny_model()
     data = generate_task_dataset(base / "train.jsonl", 40, seed=0, task="add_mod10")
     return base, str(model), str(data)
 

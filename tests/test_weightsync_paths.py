@@ -9,6 +9,8 @@ import socket
 import pytest
 import torch
 
+from conftest import shared_tiny_model
+
 from relax.backends.embedded.launcher import EmbeddedServerProcess
 from relax.backends.embedded.testing import (
     load_reference_model,
@@ -18,7 +20,6 @@ from relax.backends.embedded.testing import (
     response_logprobs,
 )
 from relax.backends.engine_client import EngineClient
-from relax.models.tiny import TinyArch, build_tiny_model_dir
 from relax.weights.sync import (
     WeightSyncError,
     close_all,
@@ -31,7 +32,7 @@ PROMPT = [12, 34, 56, 78, 90, 11]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return str(build_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "m", TinyArch(family="qwen2"), seed=0))
+    return str(shared_tiny_model())
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from conftest import shared_tiny_model
+
 from relax.backends.embedded.launcher import EmbeddedServerProcess
 from relax.backends.embedded.testing import (
     load_reference_model,
@@ -22,7 +24,6 @@ from relax.backends.embedded.testing import (
     response_logprobs,
 )
 from relax.backends.engine_client import EngineClient
-from relax.models.tiny import TinyArch, build_tiny_model_dir
 from relax.weights import shm
 from relax.weights.sync import TensorSync, WeightSyncError, make_weight_sync
 
@@ -156,7 +157,7 @@ def test_reader_refuses_foreign_files_and_out_of_range_pieces(tmp_path):
 # ------------------------------------------------------------------------- against a real engine
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return str(build_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "m", TinyArch(family="qwen2"), seed=0))
+    return str(shared_tiny_model())
 
 
 @pytest.fixture(scope="module")
