@@ -22,6 +22,7 @@ import ray
 
 from relax.backends.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
 from relax.data.replay_record import run_record
+from relax.observability.accounting import delivery_accounting
 from relax.rollout.step_logs import group_variance_metrics
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,20 @@ def engine_server_args(config: Any, backend: str) -> dict[str, Any]:
     if config.rollout_max_context_len:
         args.setdefault("context_length", config.rollout_max_context_len)
     return args
+
+
+# Samples in flight per engine for SGLang servers without --sglang-max-running-requests: slime's default
+# --sglang-server-concurrency (SGLang queues what it cannot run at once).
+SGLANG_CONCURRENCY_PER_ENGINE = 512
+
+
+def rollout_concurrency(config: Any, backend: str | None, num_engines: int) -> int:
+    """How many samples the rollout keeps in flight: what each engine runs at once, times the engines."""
+    if backend == "embedded":
+        per_engine = engine_server_args(config, backend)["max_running_requests"]
+    else:
+        per_engine = config.sglang_max_running_requests or SGLANG_CONCURRENCY_PER_ENGINE
+    return max(1, int(per_engine) * max(1, num_engines))
 
 
 def _group(samples: list[Any]) -> list[list[Any]]:
@@ -97,6 +112,7 @@ class RolloutManager:
         self.engines: list[Any] = []
         self.engine_urls: list[str] = []
         self.router = None
+        self.backend: str | None = None  # the engines' backend; None for external engines
         self.next_index = 0
 
     # ------------------------------------------------------------------ engines and router
@@ -110,7 +126,7 @@ class RolloutManager:
         if c.rollout_external:
             urls = [a if a.startswith("http") else f"http://{a}" for a in c.rollout_external_engine_addrs]
         else:
-            backend = c.rollout_backend  # `auto` is resolved (and checked) by config validation
+            backend = self.backend = c.rollout_backend  # `auto` is resolved (and checked) by config validation
             num_engines = c.num_engines
             args = engine_server_args(c, backend)
             # The run's engine key, handed on explicitly: a Ray started elsewhere carries no job environment.
@@ -152,7 +168,11 @@ class RolloutManager:
 
         return RolloutContext(args=self.config, tokenizer=self.tokenizer, data_source=self.source,
                               rewards=self.rewards, router_url=self.router.url if self.router else None,
-                              engine_urls=list(self.engine_urls), progress=progress)
+                              engine_urls=list(self.engine_urls), progress=progress,
+                              max_concurrency=rollout_concurrency(self.config, self.backend, len(self.engine_urls)),
+                              # SGLang gives every copy of an `n` request the same sampling seed (identical
+                              # answers under deterministic sampling); the embedded engine gives copy j seed + j.
+                              group_requests=self.backend == "embedded")
 
     def generate(self, step: int) -> dict[str, float]:
         """Produce step `step`'s samples (or replay saved ones) and write them into the data plane."""
@@ -177,6 +197,7 @@ class RolloutManager:
                     self.next_index += 1
                     samples.append(s)
         gen_time = time.perf_counter() - t0
+        from_rollout = len(samples)
         if self.postprocess is not None:
             out = self.postprocess(c, samples)
             if out is not None:
@@ -190,6 +211,9 @@ class RolloutManager:
         metrics = step_metrics(samples, gen_time)
         metrics.update(group_variance_metrics(samples))  # the collapse monitor reads the zero-variance fraction
         metrics.update(extra)
+        metrics.update(delivery_accounting(kept=from_rollout, to_train=len(samples)))
+        if c.load_debug_rollout_data:
+            metrics["samples/replayed"] = float(from_rollout)
         if c.log_passrate:
             from relax.rollout.evaluation import passrate_metrics
 

@@ -13,16 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from relax.backends.auth import auth_headers
+from relax.config.validate import load_hook  # noqa: F401  (the hook loader; rollout code imports it from here)
 from relax.data.sample import Sample
-
-
-def load_hook(path: Optional[str], flag: str) -> Optional[Callable]:
-    """Import `package.module.attr` (None when unset); errors name the flag."""
-    if not path:
-        return None
-    from relax.config.validate import import_hook
-
-    return import_hook(path, flag)
 
 
 def call_flexible(fn: Callable, *args: Any) -> Any:
@@ -57,7 +49,8 @@ class RolloutContext:
     session: Any = None  # the aiohttp session of the running step (set by the rollout function)
     timeout_s: Optional[float] = None  # one engine request; None: --generate-timeout (600 s when args lack it)
     retries: int = 2
-    max_concurrency: int = 64
+    max_concurrency: int = 64  # samples in flight at once, over all engines
+    group_requests: bool = False  # engines take a prompt group as one request (SGLang's `n` with per-copy seeds)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

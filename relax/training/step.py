@@ -84,6 +84,7 @@ def train_rollout(trainer, samples: Sequence[Sample], config: Any, extras: dict[
     if not samples:
         raise RuntimeError(f"step {step}: no samples in the data plane")
     _check_extras(samples, extras, step)
+    received = len(samples)
     custom_data = bool(config.custom_convert_samples_to_train_data_path or config.custom_reward_post_process_path)
     samples, raw_rewards, rewards, given_advantages = train_samples(samples, config, extras, step)
     objective = PolicyObjective.from_config(config)
@@ -165,6 +166,7 @@ def train_rollout(trainer, samples: Sequence[Sample], config: Any, extras: dict[
     if "critic_seconds" in extras:
         result["perf/critic_value_time"] = float(extras["critic_seconds"])
     result["train/num_updates"] = float(num_updates if update_actor else 0)
+    result["samples/trained"] = float(received if update_actor else 0)  # sample accounting (relax.observability)
     if custom_data:
         result["train/raw_reward_mean"] = float(raw_rewards.mean())
         if rewards is not None:
