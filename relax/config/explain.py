@@ -67,7 +67,8 @@ def batch_arithmetic(config: Config) -> list[str]:
             accum = gbs // (c.micro_batch_size * dp) if c.micro_batch_size * dp else 0
             lines.append(f"  micro batch {c.micro_batch_size} per worker x {dp} data-parallel x "
                          f"{accum} accumulation steps = {gbs}")
-    kind = "external" if c.rollout_external else f"{c.rollout_backend}, each on {c.rollout_num_gpus_per_engine} device(s)"
+    per_engine = f"{c.rollout_backend}, each on {c.rollout_num_gpus_per_engine} device(s)"
+    kind = "external" if c.rollout_external else per_engine
     lines.append(f"rollout engines: {c.num_engines} ({kind}), behind one router")
     capacity = (rbs or 0) * (c.max_staleness + 1) * n
     lines.append(f"staleness: rollout may run {c.max_staleness} step(s) ahead of training; data queue holds up "

@@ -23,6 +23,8 @@ from typing import Any, Sequence
 
 import ray
 
+from relax.backends.engine_client import EngineClient
+
 logger = logging.getLogger("relax")
 
 WEIGHTS, KV_CACHE = "weights", "kv_cache"
@@ -30,8 +32,6 @@ WEIGHTS, KV_CACHE = "weights", "kv_cache"
 
 class ColocateProtocol:
     def __init__(self, config: Any, workers: Sequence[Any], engine_urls: Sequence[str]):
-        from relax.backends.engine_client import EngineClient
-
         self.config = config
         self.workers = list(workers)
         self.offload_train = bool(config.offload_train) and bool(self.workers) and not config.debug_rollout_only

@@ -45,7 +45,7 @@ class MetricsWriter:
         self._tb = None
         self.monitor = CollapseMonitor()
         if tensorboard_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # optional (tensorboard), only with --use-tensorboard
 
             self._tb = SummaryWriter(log_dir=os.path.join(tensorboard_dir, experiment or "relax"))
 

@@ -37,7 +37,7 @@ def find_routers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:
     if not routers:
         routers = [m.gate for m in model.modules()
                    if hasattr(m, "experts") and isinstance(getattr(m, "gate", None), torch.nn.Module)]
-    cfg = getattr(model, "config", None)
+    cfg = getattr(model, "config", None)  # the HF model config: only MoE models have num_experts_per_tok
     default_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
     return [(m, int(getattr(m, "top_k", None) or default_k)) for m in routers]
 

@@ -8,8 +8,9 @@
   `(hf_name, tensor)` pairs gathered over tensor/pipeline parallel ranks.
 
 Megatron-Bridge (PyPI `megatron-bridge`) imports Transformer Engine at import time and requires
-transformers<5, so it is absent from the CPU stack; `check_bridge_mode` (a config rule) makes
-`--megatron-to-hf-mode bridge` fail at parse time there, naming the flag and what to install.
+transformers<5, so it is absent from the CPU stack. The trainer does not convert through it yet, so a real
+run with `--megatron-to-hf-mode bridge` stops before Ray as not supported (relax.config.support);
+`check_bridge_mode` says why the package is unusable here and what to install.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import importlib.util
 from typing import Any, Iterator, Optional
 
 import torch
+
+from relax.backends.megatron.hf_weights import export_hf_weights, load_hf_checkpoint_dir, load_hf_weights
+from relax.config.errors import ConfigError
 
 INSTALL_HINT = "pip install megatron-bridge; it needs NVIDIA Transformer Engine and transformers<5, a CUDA stack"
 MODES = ("raw", "bridge")
@@ -41,13 +45,11 @@ def bridge_unavailable_reason() -> Optional[str]:
 
 
 def check_bridge_mode(v: dict, explicit=None) -> None:
-    """Config rule: `--megatron-to-hf-mode bridge` needs an importable Megatron-Bridge."""
+    """`--megatron-to-hf-mode bridge` needs an importable Megatron-Bridge (a rule over config values)."""
     if v.get("megatron_to_hf_mode", "raw") != "bridge":
         return
     why = bridge_unavailable_reason()
     if why:
-        from relax.config.errors import ConfigError
-
         raise ConfigError(f"--megatron-to-hf-mode bridge converts weights with Megatron-Bridge, but {why}; "
                           f"install it ({INSTALL_HINT}) or use --megatron-to-hf-mode raw")
 
@@ -65,14 +67,10 @@ class RawConverter:
         self.arch, self.hf_path = arch, hf_path
 
     def load(self, model: Any, hf_path: Optional[str] = None) -> None:
-        from relax.backends.megatron.hf_weights import load_hf_checkpoint_dir, load_hf_weights
-
         for chunk in _chunks(model):
             load_hf_weights(chunk, self.arch, load_hf_checkpoint_dir(hf_path or self.hf_path))
 
     def export(self, model: Any, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
-        from relax.backends.megatron.hf_weights import export_hf_weights
-
         for chunk in _chunks(model):
             yield from export_hf_weights(chunk, self.arch, dtype=dtype)
 

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
@@ -70,8 +71,6 @@ def _numpy_state_to_safe(state: tuple) -> tuple:
 
 
 def _numpy_state_from_safe(state: tuple) -> tuple:
-    import numpy as np
-
     kind, keys, pos, has_gauss, cached = state
     if isinstance(keys, torch.Tensor):
         keys = keys.numpy().astype(np.uint32)
@@ -81,8 +80,6 @@ def _numpy_state_from_safe(state: tuple) -> tuple:
 def _numpy_safe_globals() -> list:
     """NumPy's array reconstructors: data only, found in the RNG state of checkpoints written before the
     RNG state was stored as a tensor; allowed so that those still load with weights_only=True."""
-    import numpy as np
-
     core = getattr(np, "_core", None) or np.core
     return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
@@ -106,7 +103,6 @@ def load_state_file(path: str | Path, iteration: Optional[int] = None) -> Any:
 
 def rng_state() -> dict[str, Any]:
     """Every random state this rank uses (Python, NumPy, torch CPU/CUDA, Megatron tracker)."""
-    import numpy as np
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     state: dict[str, Any] = {
@@ -122,7 +118,6 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    import numpy as np
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     random.setstate(state["python"])

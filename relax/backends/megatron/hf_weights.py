@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 
 from relax.backends.megatron.arch import ModelArch
 
@@ -375,8 +376,6 @@ class _SafetensorsDir(Mapping):
     """A read-only, lazily loaded mapping over a folder's safetensors files."""
 
     def __init__(self, files: list[Path], device: str = "cpu"):
-        from safetensors import safe_open
-
         self._handles = [safe_open(str(f), framework="pt", device=device) for f in files]
         self._where: dict[str, int] = {}
         for i, handle in enumerate(self._handles):

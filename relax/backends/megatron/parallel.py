@@ -7,9 +7,11 @@ The only process-wide state is what torch.distributed and Megatron's
 from __future__ import annotations
 
 import datetime
+import random
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -138,9 +140,6 @@ def seed_all(seed: int) -> None:
     stage, tensor-parallel ranks share the default stream and get distinct
     tensor-parallel streams (tracker).
     """
-    import random
-
-    import numpy as np
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
