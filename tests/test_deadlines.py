@@ -85,6 +85,8 @@ def test_the_cause_of_an_actor_error_is_the_error_raised_inside_the_actor():
         wrapped = ray.exceptions.RayTaskError("TrainerWorker.train", "Traceback (most recent call last):\n ...",
                                               inner).as_instanceof_cause()
     assert cause_text(wrapped) == "ValueError: bad shape"
+    assert cause_text(ray.exceptions.ActorDiedError()) == ("ActorDiedError: The actor died unexpectedly before "
+                                                            "finishing this task.")
     assert cause_text(RuntimeError("")) == "RuntimeError"
     long = cause_text(RuntimeError("x" * 2000))
     assert len(long) < 450 and long.endswith(" ...")

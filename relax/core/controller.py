@@ -23,6 +23,7 @@ from relax.config.errors import ConfigError
 from relax.core.calls import descendants, run_bounded, run_quietly, stop_processes, wait_all, wait_quietly
 from relax.core.deadlines import FLAGS, Call, Deadlines, RoleFailure, console_line
 from relax.core.preflight import preflight
+from relax.observability.accounting import RunAccounting, step_problems
 from relax.weights.shm import sweep_stale_segments
 
 logger = logging.getLogger("relax")
@@ -43,6 +44,7 @@ class Controller:
         self.aux = None
         self.colocate = None
         self.deadlines = Deadlines.from_config(config)
+        self.accounting = RunAccounting()  # where every sample went, step by step and for the whole run
         self.worker_where: list[str | None] = []  # "host pid N" of each trainer rank, for error lines
         self._in_flight: list[tuple[Any, Any]] = []  # (actor, ref) of calls not known to be finished
         # Processes this one had started before the run (e.g. a test's servers): the shutdown leaves them alone.
@@ -97,7 +99,9 @@ class Controller:
                                   ).remote(c, rank, actor_world, threads)
             for rank in range(actor_world)
         ]
-        master_addr, master_port = ray.get(self.workers[0].master_address.remote())
+        master_addr, master_port = wait_all([self.workers[0].master_address.remote()],
+                                            [Call("trainer", "start", rank=0)],  # the actor's creation, too
+                                            deadline_s=self.deadlines.train_s, flag=FLAGS["train"])[0]
         backend = c.distributed_backend if use_gpu else "gloo"
         infos = self._trainers("setup", "setup", None, master_addr, master_port, backend)
         self.worker_where = [info.get("where") for info in infos]
@@ -107,7 +111,7 @@ class Controller:
         if not c.debug_train_only:  # train-only debugging replays saved rollouts: no engines
             self.engine_urls = self._rollout_call("start_engines", "engine and router start", None, pg_rollout)
             logger.info("rollout: %d engine(s) behind %s", len(self.engine_urls),
-                        ray.get(self.rollout.router_url.remote()))
+                        self._rollout_call("router_url", "router address", None))
         from relax.core.roles import build_aux_roles
 
         self.aux = build_aux_roles(c, use_gpu=use_gpu, data_plane=self.data)
@@ -176,7 +180,12 @@ class Controller:
                                           lambda: self.colocate.after_step(step)))
             if self._eval_enabled() and (step + 1) % c.eval_interval == 0:
                 metrics.update(self._rollout_call("evaluate", "evaluation", step + 1, step + 1))
+            self.accounting.add(metrics)
+            for problem in step_problems(metrics, trained_expected=not c.debug_rollout_only):
+                logger.warning("step %d: sample accounting: %s", step, problem)
             self.metrics.log(step, metrics)
+        if self.accounting.steps:
+            logger.info("%s (%s)", self.accounting.summary_line(), self.accounting.write(c.output_dir))
 
     def _eval_enabled(self) -> bool:
         c = self.config
