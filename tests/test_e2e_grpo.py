@@ -72,12 +72,16 @@ def test_grpo_two_engines_two_dp_ranks(assets):
     assert [r["step"] for r in records] == [0, 1]
     for r in records:
         assert r["rollout/num_samples"] == 16.0 and r["data/step_samples"] == 16.0
+        # sample accounting: every generated sample was kept, sent to training and trained
+        assert r["samples/generated"] == r["samples/kept"] == r["samples/to_train"] == r["samples/trained"] == 16.0
         assert r["train/loss"] == r["train/loss"] and abs(r["train/loss"]) < 1e3
         assert r["train/grad_norm"] > 0
         for key in ("rollout/reward_mean", "rollout/response_len_mean", "train/clip_fraction", "train/entropy",
                     "perf/step_time", "perf/rollout_time", "perf/train_time", "perf/weight_sync_time",
                     "perf/tokens_per_s"):
             assert key in r, key
+    totals = json.loads((out / "sample_accounting.json").read_text())["totals"]
+    assert totals["generated"] == totals["trained"] == 32 and totals["dropped"] == 0
     ckpt = out / "checkpoints"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert (ckpt / "iter_0000002" / "relax_state.json").is_file()
