@@ -99,6 +99,13 @@ class Controller:
                                   ).remote(c, rank, actor_world, threads)
             for rank in range(actor_world)
         ]
+        # The rollout side (manager, engines, router) starts while the trainer ranks initialise: the two are
+        # independent until the first weight push, and each takes tens of seconds on a small machine. Colocated
+        # roles share devices, so there the engines start after the trainer has taken its memory.
+        self.rollout = RolloutManager.options(num_cpus=1, runtime_env={"env_vars": engine_key}).remote(c)
+        engines_ref = None
+        if not c.debug_train_only and not c.colocate:
+            engines_ref = self.rollout.start_engines.remote(pg_rollout)
         master_addr, master_port = wait_all([self.workers[0].master_address.remote()],
                                             [Call("trainer", "start", rank=0)],  # the actor's creation, too
                                             deadline_s=self.deadlines.train_s, flag=FLAGS["train"])[0]
@@ -107,9 +114,11 @@ class Controller:
         self.worker_where = [info.get("where") for info in infos]
         logger.info("trainer: %d rank(s), data-parallel %d, %d parameters", actor_world, infos[0]["dp"],
                     infos[0]["params"])
-        self.rollout = RolloutManager.options(num_cpus=1, runtime_env={"env_vars": engine_key}).remote(c)
         if not c.debug_train_only:  # train-only debugging replays saved rollouts: no engines
-            self.engine_urls = self._rollout_call("start_engines", "engine and router start", None, pg_rollout)
+            if engines_ref is None:
+                engines_ref = self.rollout.start_engines.remote(pg_rollout)
+            self.engine_urls = self._wait([self.rollout], [engines_ref],
+                                          [Call("rollout", "engine and router start")], None, "")[0]
             logger.info("rollout: %d engine(s) behind %s", len(self.engine_urls),
                         self._rollout_call("router_url", "router address", None))
         from relax.core.roles import build_aux_roles
