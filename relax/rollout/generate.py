@@ -84,20 +84,18 @@ class SamplingSettings:
     max_context_len: int | None = None
 
     @classmethod
-    def from_config(cls, config: Any, prefix: str = "rollout") -> "SamplingSettings":
-        """The `--rollout-*` settings, or with prefix="eval" the `--eval-*` ones (fallbacks are
-        derived in the config)."""
-        if "rollout_seed" in config and config.rollout_seed is not None:
-            set_rollout_seed(config.rollout_seed)
-        stop = config[f"{prefix}_stop"] if f"{prefix}_stop" in config else config.rollout_stop
-        min_new = config[f"{prefix}_min_new_tokens"] if f"{prefix}_min_new_tokens" in config else None
-        return cls(temperature=config[f"{prefix}_temperature"], top_p=config[f"{prefix}_top_p"],
-                   top_k=config[f"{prefix}_top_k"], max_new_tokens=config[f"{prefix}_max_response_len"] or 256,
+    def from_config(cls, config: Any) -> "SamplingSettings":
+        """The `--rollout-*` settings. Evaluation samples with its sets' own settings (`EvalSet.sampling_params`,
+        from the `--eval-*` values config validation derived)."""
+        if config["rollout_seed"] is not None:
+            set_rollout_seed(config["rollout_seed"])
+        stop = config["rollout_stop"]
+        return cls(temperature=config["rollout_temperature"], top_p=config["rollout_top_p"],
+                   top_k=config["rollout_top_k"], max_new_tokens=config["rollout_max_response_len"] or 256,
                    stop=tuple(stop) if stop else None,
-                   stop_token_ids=tuple(config.rollout_stop_token_ids) if config.rollout_stop_token_ids else None,
-                   skip_special_tokens=bool(config.rollout_skip_special_tokens),
-                   min_new_tokens=int(min_new or 0),
-                   max_context_len=config[f"{prefix}_max_context_len"])
+                   stop_token_ids=tuple(config["rollout_stop_token_ids"]) if config["rollout_stop_token_ids"] else None,
+                   skip_special_tokens=bool(config["rollout_skip_special_tokens"]),
+                   max_context_len=config["rollout_max_context_len"])
 
     def to_sglang(self) -> dict[str, Any]:
         params: dict[str, Any] = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
