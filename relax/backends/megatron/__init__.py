@@ -14,7 +14,9 @@ Modules, one job each:
     trainer     MegatronTrainer, TrainerSettings, LossFn
     testing     tiny models, toy data and multi-process helpers for tests
 
-Importing this package does not import megatron-core; the names below load lazily.
+Importing this package does not import megatron-core; the names below load lazily. The modules import
+megatron-core inside the functions that use it, after `apply_cpu_compat`, so that a process that only
+reads or writes checkpoint files (the driver, the checks before a run) never loads it.
 """
 
 from __future__ import annotations
