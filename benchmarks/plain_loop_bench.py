@@ -20,8 +20,8 @@ Phases (medians over steps, the first `--warmup` excluded):
   sync      relax: perf/weight_sync_time;  loop: 0
   other     step time minus the above (relax: Ray calls, data plane, metrics; loop: prompt sampling/encoding)
 
-Threads: the loop defaults to what a Relax trainer actor gets (cpu_count // trainer ranks, relax/core/controller.py:
-2 on a 2-core machine). On a loaded machine two OpenMP threads per process are far slower than one (measured on
+Threads: the loop defaults to what a Relax trainer actor gets (`relax.config.env.threads_per_process`: the cores
+less one, shared by the trainer ranks; 1 on a 2-core machine). On a loaded machine two OpenMP threads per process are far slower than one (measured on
 2 cores at load ~15: loop step 36 s with 2 threads, 4.9 s with 1): compare at --threads 1 too, and read
 `uptime` (printed before and after). Ray's node start has a fixed 30 s limit, which an overloaded machine can
 miss; the relax side then reports nothing and the loop still runs (exit 1).
@@ -40,6 +40,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from relax.config.env import threads_per_process
 
 PHASES = ("generate", "ref", "train", "sync", "other")
 
@@ -277,7 +279,8 @@ def main() -> int:
     p.add_argument("--skip-relax", action="store_true")
     p.add_argument("--skip-loop", action="store_true")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch threads of the loop (default: what a Relax trainer actor gets, cpu_count // ranks)")
+                   help="torch threads of the loop (default: what a Relax trainer actor gets, "
+                        "relax.config.env.threads_per_process)")
     p.add_argument("--keep", default=None, help="keep the run folders here (default: a temporary folder)")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more relax-train flags (both sides)")
     args = p.parse_args()
@@ -298,9 +301,9 @@ def main() -> int:
             print(f"relax launch to first step: {launch:.1f} s" if launch is not None else "launch: unknown")
         if not args.skip_loop:
             config = parse_config(["--output-dir", str(root / "loop"), *args.extra])
-            # A Relax trainer actor runs torch with cpu_count // (trainer ranks) threads (relax/core/controller.py).
+            # A Relax trainer actor's torch threads (relax/core/controller.py).
             world = config.resource["actor"][0] * config.resource["actor"][1]
-            threads = args.threads or max(1, (os.cpu_count() or 2) // max(1, world))
+            threads = args.threads or threads_per_process(world)
             print(f"plain loop: {threads} torch threads, {config.rollout_batch_size} prompts x "
                   f"{config.n_samples_per_prompt}, {config.rollout_max_response_len} new tokens, "
                   f"{config.num_steps_per_rollout} updates of {config.global_batch_size} in micro-batches of "

@@ -52,7 +52,7 @@ class Controller:
 
     # ------------------------------------------------------------------ start-up
     def start(self) -> None:
-        from relax.config.env import worker_env
+        from relax.config.env import threads_per_process, worker_env
         from relax.core.placement import cluster_has_gpus, create_placement_group, role_bundles
         from relax.data.plane import DataPlane
         from relax.observability.metrics import MetricsWriter
@@ -88,7 +88,7 @@ class Controller:
 
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        threads = max(1, (os.cpu_count() or 2) // max(1, actor_world))
+        threads = threads_per_process(actor_world)
         train_env = {"env_vars": {**worker_env(c.train_env_vars, training_role=True), **engine_key}}
         from relax.core.placement import trainer_gpus
 

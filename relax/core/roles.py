@@ -31,7 +31,7 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from relax.backends.megatron import checkpoint_layout
-from relax.config.env import worker_env
+from relax.config.env import threads_per_process, worker_env
 from relax.core.checkpointing import keep_limit, rotate_checkpoints
 from relax.core.placement import create_placement_group
 from relax.roles.critic import CriticWorker
@@ -79,7 +79,7 @@ class WorkerGroup:
         world = config.actor_world_size
         bundles = [{"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0} for _ in range(world)]
         self.placement_group = create_placement_group(bundles, f"relax-{name}")
-        threads = max(1, (os.cpu_count() or 2) // max(1, world))
+        threads = threads_per_process(world)
         env = {"env_vars": worker_env(config.train_env_vars, training_role=True)}
         self.workers = [
             worker_cls.options(num_cpus=1, num_gpus=1 if use_gpu else 0, runtime_env=env,

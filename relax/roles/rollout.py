@@ -21,6 +21,7 @@ from typing import Any
 import ray
 
 from relax.backends.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
+from relax.config.env import threads_per_process
 from relax.data.replay_record import run_record
 from relax.observability.accounting import delivery_accounting
 from relax.rollout.step_logs import group_variance_metrics
@@ -30,7 +31,8 @@ logger = logging.getLogger(__name__)
 
 def engine_server_args(config: Any, backend: str) -> dict[str, Any]:
     if backend == "embedded":
-        args = {"dtype": "float32", "random_seed": config.rollout_seed, "num_threads": max(1, (os.cpu_count() or 2)),
+        args = {"dtype": "float32", "random_seed": config.rollout_seed,
+                "num_threads": threads_per_process(config.num_engines),
                 "max_running_requests": 256}
         if config.rollout_max_context_len:
             args["context_length"] = config.rollout_max_context_len
