@@ -204,3 +204,45 @@ def test_a_driver_side_wait_gives_way_to_a_signal_at_once_and_ends_by_its_deadli
         release.set()
     with pytest.raises(RoleFailure, match=r"clear the step: ValueError: nope"):
         run_bounded(lambda: (_ for _ in ()).throw(ValueError("nope")), call, deadline_s=5, flag="")
+
+
+# ------------------------------------------------------------------ calls into actors (the session's Ray)
+def test_calls_into_ranks_fail_fast_and_name_the_late_ranks(ray_session):
+    from relax.core.calls import wait_all
+
+    # Defined here: the workers cannot import a test module, the class travels by value. Threaded, so that a
+    # rank still in an earlier call answers the next one.
+    @ray.remote(num_cpus=0, max_concurrency=4)
+    class Rank:
+        def work(self, seconds: float) -> str:
+            import time
+
+            time.sleep(seconds)
+            return "done"
+
+        def boom(self) -> None:
+            raise ValueError("rank failed\nwith a second line")
+
+    ranks = [Rank.remote() for _ in range(3)]
+    try:
+        calls = [Call("trainer", "train step", rank=r, address=f"h pid {r}", step=2) for r in range(3)]
+        assert wait_all([r.work.remote(0) for r in ranks], calls, deadline_s=60, flag="--train-step-timeout") == [
+            "done"] * 3
+        # an error is raised when it is known, not after the slowest rank
+        start = time.monotonic()
+        with pytest.raises(RoleFailure, match=r"^trainer rank 1 \(h pid 1\), step 2, train step: ValueError: "
+                                              r"rank failed$"):
+            wait_all([ranks[0].work.remote(30), ranks[1].boom.remote(), ranks[2].work.remote(0)], calls,
+                     deadline_s=60, flag="--train-step-timeout")
+        assert time.monotonic() - start < 10
+        # past the deadline: every rank still running is named
+        start = time.monotonic()
+        with pytest.raises(RoleFailure) as info:
+            wait_all([ranks[0].work.remote(0), ranks[1].work.remote(30), ranks[2].work.remote(30)], calls,
+                     deadline_s=1.0, flag="--train-step-timeout")
+        assert 1.0 <= time.monotonic() - start < 10
+        assert str(info.value) == ("trainer rank 1 (h pid 1), trainer rank 2 (h pid 2), step 2, train step: "
+                                   "no answer within 1 s (--train-step-timeout)")
+    finally:
+        for r in ranks:
+            ray.kill(r)
