@@ -35,8 +35,8 @@ def trainer_settings(config: Any, *, forward_only: bool = False):
         use_distributed_optimizer=bool(config.use_distributed_optimizer),
         micro_batch_size=config.micro_batch_size,
         logprob_chunk_size=None if config.log_probs_chunk_size in (None, -1) else config.log_probs_chunk_size,
-        recompute_loss_function=bool(getattr(config, "recompute_loss_function", False)) and not forward_only,
-        routing_replay=bool(getattr(config, "use_routing_replay", False)) and not forward_only,  # helper E
+        recompute_loss_function=bool(config.recompute_loss_function) and not forward_only,
+        routing_replay=bool(config.use_routing_replay) and not forward_only,
     )
 
 

@@ -89,7 +89,7 @@ class TrainerSettings:
     # checkpointing (torch.utils.checkpoint): its float32 softmax intermediates are freed after the forward pass
     # and recomputed in backward (the loss function runs twice per micro-batch).
     recompute_loss_function: bool = False
-    # --use-routing-replay (helper E): MoE routers get Megatron's RouterReplay; `compute_logprobs_and_routes` records
+    # --use-routing-replay: MoE routers get Megatron's RouterReplay; `compute_logprobs_and_routes` records
     # each sample's top-k experts and `train_step` replays samples' `routed_experts` (see routing_replay.py).
     routing_replay: bool = False
 
