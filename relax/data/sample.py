@@ -107,7 +107,7 @@ class Sample:
         for name in ("response_logprobs", "loss_mask"):
             m = len(getattr(self, name))
             if m not in (0, n):
-                raise ValueError(f"Sample {self.index}: len({name})={m} != len(response_tokens)={n}")
+                raise ValueError(f"{self.describe()}: len({name})={m} != len(response_tokens)={n}")
 
     def to_dict(self) -> dict[str, Any]:
         """Shallow dict of all fields (values are not copied)."""
