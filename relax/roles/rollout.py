@@ -36,13 +36,13 @@ def engine_server_args(config: Any, backend: str) -> dict[str, Any]:
                 "max_running_requests": 256}
         if config.rollout_max_context_len:
             args["context_length"] = config.rollout_max_context_len
-        if getattr(config, "offload_rollout", False):  # released weights really free their storage
+        if config.offload_rollout:  # released weights really free their storage
             args["offload_weights_on_release"] = True
         return args
     args = {k[len("sglang_"):]: v for k, v in config.items()
             if k.startswith("sglang_") and not k.startswith("sglang_router_") and v is not None}
     args.setdefault("random_seed", config.rollout_seed)
-    if getattr(config, "offload_rollout", False):  # /release_memory_occupation needs SGLang's memory saver
+    if config.offload_rollout:  # /release_memory_occupation needs SGLang's memory saver
         args.setdefault("enable_memory_saver", True)
     if config.rollout_max_context_len:
         args.setdefault("context_length", config.rollout_max_context_len)

@@ -55,7 +55,7 @@ class RolloutContext:
 
     def __post_init__(self) -> None:
         if self.timeout_s is None:
-            self.timeout_s = float(getattr(self.args, "generate_timeout", None) or 600.0)
+            self.timeout_s = float(self.args.generate_timeout)
 
     async def engine_generate(self, input_ids: Sequence[int], sampling_params: dict, *, rid: Optional[str] = None,
                               extra: Optional[dict] = None):

@@ -71,9 +71,9 @@ async def generate_sample(ctx: RolloutContext, sample: Sample, sampling: dict, c
         return sample
     return await generate_one(ctx.session, ctx.router_url, sample, sampling, timeout_s=ctx.timeout_s,
                               retries=ctx.retries,
-                              mask_offpolicy=bool(getattr(args, "mask_offpolicy_in_partial_rollout", False)),
+                              mask_offpolicy=bool(args.mask_offpolicy_in_partial_rollout),
                               max_context_len=max_context_len,
-                              return_routed_experts=bool(getattr(args, "use_rollout_routing_replay", False)))
+                              return_routed_experts=bool(args.use_rollout_routing_replay))
 
 
 def generate_rollout(ctx: RolloutContext, rollout_id: int) -> RolloutOutput:
@@ -83,11 +83,11 @@ def generate_rollout(ctx: RolloutContext, rollout_id: int) -> RolloutOutput:
 async def agenerate_rollout(ctx: RolloutContext, rollout_id: int) -> RolloutOutput:
     args = ctx.args
     target = int(args.rollout_batch_size)
-    over = int(getattr(args, "over_sampling_batch_size", None) or target)
-    partial = bool(getattr(args, "partial_rollout", False))
-    max_aborts = getattr(args, "partial_rollout_max_aborted_count", None)
-    dyn_filter = load_hook(getattr(args, "dynamic_sampling_filter_path", None), "--dynamic-sampling-filter-path")
-    custom = load_hook(getattr(args, "custom_generate_function_path", None), "--custom-generate-function-path")
+    over = int(args.over_sampling_batch_size or target)
+    partial = bool(args.partial_rollout)
+    max_aborts = args.partial_rollout_max_aborted_count
+    dyn_filter = load_hook(args.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
+    custom = load_hook(args.custom_generate_function_path, "--custom-generate-function-path")
     sampling = SamplingSettings.from_config(args).to_sglang()
     limit = asyncio.Semaphore(ctx.max_concurrency)
     counts: collections.Counter = collections.Counter()
