@@ -47,7 +47,7 @@ class RolloutContext:
     engine_urls: Sequence[str] = ()
     progress: Any = None
     session: Any = None  # the aiohttp session of the running step (set by the rollout function)
-    timeout_s: Optional[float] = None  # one engine request; None: --generate-timeout (600 s when args lack it)
+    timeout_s: Optional[float] = None  # one engine request; None: --generate-timeout
     retries: int = 2
     max_concurrency: int = 64  # samples in flight at once, over all engines
     group_requests: bool = False  # engines take a prompt group as one request (SGLang's `n` with per-copy seeds)
