@@ -38,8 +38,8 @@ def add_flags(parser):
                         "check) may take; past it the run stops naming the engine.")
     g.add_argument("--engine-control-timeout", type=float, default=60.0,
                    help="Seconds a control request may take: engine memory release/resume, health checks, the "
-                        "driver's calls into the data plane's storage units; also the time each role gets to stop "
-                        "at shutdown before it is killed.")
+                        "driver's calls into the data plane's storage units; also, capped at 10 s, the time each "
+                        "role gets to stop by itself at shutdown before it is killed.")
     g.add_argument("--train-step-timeout", type=float, default=3600.0,
                    help="Seconds one call into the trainer ranks (and reference/critic ranks) may take: a training "
                         "step, reference log-probs, the weight export and push, a checkpoint save. Past it the run "
