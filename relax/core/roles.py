@@ -22,7 +22,6 @@ Roles built here, each one Ray actor per actor rank (the actor's parallel layout
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
