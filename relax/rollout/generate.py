@@ -181,7 +181,9 @@ async def post_generate(session: aiohttp.ClientSession, url: str, payload: dict,
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status, message=last_error)
             return body
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            last_error = last_error or f"{type(exc).__name__}: {exc}"
+            if not last_error:
+                last_error = (f"no answer within {timeout_s:g} s (--generate-timeout)"
+                              if isinstance(exc, asyncio.TimeoutError) else f"{type(exc).__name__}: {exc}")
             waited = time.monotonic() - started
             if status == 503 and waited < unavailable_budget_s:
                 await asyncio.sleep(min(5.0, 0.2 * 2 ** min(attempt, 5)))

@@ -65,7 +65,7 @@ async def generate_sample(ctx: RolloutContext, sample: Sample, sampling: dict, c
             sample.loss_mask = [1] * len(sample.response_tokens)
         sample.validate()
         if len(sample.response_logprobs) != len(sample.response_tokens):
-            raise ValueError(f"--custom-generate-function-path: sample {sample.index} has "
+            raise ValueError(f"--custom-generate-function-path: {sample.describe()} has "
                              f"{len(sample.response_logprobs)} log-probs for {len(sample.response_tokens)} tokens "
                              "(give 0.0 for tool/environment tokens)")
         return sample
