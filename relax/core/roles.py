@@ -31,6 +31,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from relax.backends.megatron import checkpoint_layout
 from relax.config.env import threads_per_process, worker_env
+from relax.core.calls import wait_all
+from relax.core.deadlines import FLAGS, Call
 from relax.core.checkpointing import keep_limit, rotate_checkpoints
 from relax.core.placement import create_placement_group
 from relax.roles.critic import CriticWorker
@@ -88,9 +90,14 @@ class WorkerGroup:
             for rank in range(world)
         ]
         try:
-            addr, port = ray.get(self.workers[0].master_address.remote())
+            # within --train-step-timeout and in short slices, like the actor's own ranks (relax.core.calls)
+            deadline = config.train_step_timeout or None
+            addr, port = wait_all([self.workers[0].master_address.remote()], [Call(name, "start", rank=0)],
+                                  deadline_s=deadline, flag=FLAGS["train"])[0]
             backend = config.distributed_backend if use_gpu else "gloo"
-            self.infos = ray.get([w.setup.remote(addr, port, backend) for w in self.workers])
+            self.infos = wait_all([w.setup.remote(addr, port, backend) for w in self.workers],
+                                  [Call(name, "setup", rank=r) for r in range(world)], deadline_s=deadline,
+                                  flag=FLAGS["train"])
         except BaseException:
             self.shutdown()
             raise
