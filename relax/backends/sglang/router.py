@@ -128,14 +128,21 @@ class RouterProcess(ManagedProcess):
             resp = self._call("GET", "/workers")
             if resp.status_code == 200:
                 self._legacy_api = False
-                return list(resp.json().get("workers", []))
+                return list(self._json(resp, "/workers").get("workers", []))
             if resp.status_code != 404:
                 raise RouterError(f"GET {self.url}/workers: HTTP {resp.status_code}: {resp.text[:300]}")
         resp = self._call("GET", "/list_workers")
         if resp.status_code != 200:
             raise RouterError(f"GET {self.url}/list_workers: HTTP {resp.status_code}: {resp.text[:300]}")
         self._legacy_api = True
-        return [{"url": u} for u in resp.json().get("urls", [])]
+        return [{"url": u} for u in self._json(resp, "/list_workers").get("urls", [])]
+
+    def _json(self, resp, endpoint: str) -> dict:
+        try:
+            return resp.json()
+        except ValueError:  # seen once on a loaded 2-core machine: 200 with a body that was not JSON
+            raise RouterError(f"GET {self.url}{endpoint}: HTTP 200 with a body that is not JSON: "
+                              f"{resp.text[:200]!r}") from None
 
     def worker_urls(self) -> list[str]:
         return [self._norm(w["url"]) for w in self.list_workers()]
@@ -179,7 +186,13 @@ class RouterProcess(ManagedProcess):
     def _wait_membership(self, url: str, *, present: bool, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
-            workers = {self._norm(w.get("url", "")): w for w in self.list_workers()}
+            try:
+                workers = {self._norm(w.get("url", "")): w for w in self.list_workers()}
+            except RouterError:  # an unreadable answer: asked again until the deadline
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+                continue
             w = workers.get(url)
             if present and w is not None and w.get("is_healthy", True):
                 return
