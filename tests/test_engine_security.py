@@ -181,3 +181,21 @@ def test_truncated_checkpoint_names_file_and_iteration(tmp_path):
     path.write_bytes(path.read_bytes()[:300])
     with pytest.raises(ValueError, match=r"rank00000.pt \(iteration 7\) is damaged or truncated"):
         load_state_file(path, iteration=7)
+
+
+def test_router_starts_with_a_key_that_reads_like_an_option(monkeypatch):
+    """A key is one `--api-key=KEY` token: a key starting with "-" once made sglang-router's parser exit (1 in
+    64 url-safe keys did), failing every engine start of that run. Keys made by Relax are hex."""
+    from relax.backends.auth import ENGINE_API_KEY_ENV
+    from relax.backends.sglang.router import RouterProcess
+
+    monkeypatch.delenv(ENGINE_API_KEY_ENV, raising=False)
+    made = ensure_engine_api_key()
+    assert len(made) == 64 and int(made, 16) >= 0
+    monkeypatch.setenv(ENGINE_API_KEY_ENV, "-looks-like-an-option_0")
+    router = RouterProcess("127.0.0.1", policy="round_robin")
+    try:
+        router.start()
+        assert router.list_workers() == []
+    finally:
+        router.stop()

@@ -20,6 +20,8 @@ def test_urls_and_named_secrets():
     assert redact_value("rm_url", "http://127.0.0.1:8000/score") == "http://127.0.0.1:8000/score"
     assert redact_command(["router", "--api-key", "s3cret", "--port", "1"]) == ["router", "--api-key", REDACTED,
                                                                                  "--port", "1"]
+    assert redact_command(["router", "--api-key=s3cret", "--port", "1"]) == ["router", f"--api-key={REDACTED}",
+                                                                               "--port", "1"]
 
 
 def test_ordinary_flags_are_not_redacted():

@@ -62,7 +62,7 @@ def test_cpu_launch_defaults_env_and_python(monkeypatch):
     assert p.on_cpu and p.python == "/opt/sglang/bin/python" and p.cmd[0] == "/opt/sglang/bin/python"
     cli = p.cmd[p.cmd.index("--tp-size") + 2:]
     assert cli[:6] == ["--device", "cpu", "--dtype", "float32", "--max-total-tokens", "1024"]  # given value wins
-    assert cli[6] == "--api-key" and cli[7] == ensure_engine_api_key()  # the run's key guards control endpoints
+    assert cli[6] == f"--api-key={ensure_engine_api_key()}"  # the run's key guards control endpoints
     assert p.env["PYTHONPATH"].split(os.pathsep) == [srv.CPU_SHIMS_DIR, "/x"]
     assert p.env["SGLANG_USE_CPU_ENGINE"] == "0" and p.env["OMP_NUM_THREADS"] == "1"
     # python= beats the environment variable; a GPU device keeps the arguments and env untouched

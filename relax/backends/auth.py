@@ -38,7 +38,9 @@ def ensure_engine_api_key() -> str:
     """The run's engine key; creates one (and exports it to this process's children) when missing."""
     key = engine_api_key()
     if key is None:
-        key = secrets.token_urlsafe(32)
+        # hex, not url-safe base64: a key that starts with "-" (1 in 64 of those) reads as an option to the
+        # argument parsers of sglang-router and SGLang, and the router then exits at start
+        key = secrets.token_hex(32)
         os.environ[ENGINE_API_KEY_ENV] = key
     return key
 

@@ -56,9 +56,15 @@ def redact_values(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def redact_command(cmd: list[str]) -> list[str]:
-    """A command line for a log: the value after an `--api-key`-like flag is masked."""
+    """A command line for a log: the value of an `--api-key`-like flag is masked (`--flag VALUE` or
+    `--flag=VALUE`)."""
     out = list(cmd)
-    for i, arg in enumerate(out[:-1]):
-        if arg.startswith("--") and _SECRET_NAME.search(arg):
+    for i, arg in enumerate(out):
+        name, eq, _ = arg.partition("=")
+        if not (name.startswith("--") and _SECRET_NAME.search(name)):
+            continue
+        if eq:
+            out[i] = f"{name}={REDACTED}"
+        elif i + 1 < len(out):
             out[i + 1] = REDACTED
     return out

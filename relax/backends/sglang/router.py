@@ -60,7 +60,7 @@ def build_router_command(
     if "--api-key" not in extra:
         # With a key the router requires it from its clients (generation and worker membership alike) and
         # presents it to the workers, whose control endpoints need it (relax.backends.auth).
-        cmd += ["--api-key", ensure_engine_api_key()]
+        cmd += [f"--api-key={ensure_engine_api_key()}"]  # one token: safe whatever the key's first character
     if worker_urls:
         cmd += ["--worker-urls", *worker_urls]
     if "--log-level" not in extra:

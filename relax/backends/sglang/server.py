@@ -151,7 +151,7 @@ class SGLangServerProcess(ManagedProcess):
         self.python = sglang_python(python)
         cmd = build_sglang_command(self.model_path, host, self.port, self.tp_size, self.server_args, python=self.python)
         # SGLang takes its key only as --api-key; it then requires it on every endpoint but /health*.
-        cmd += ["--api-key", ensure_engine_api_key()]
+        cmd += [f"--api-key={ensure_engine_api_key()}"]  # one token: safe whatever the key's first character
         super().__init__(
             with_parent_watchdog(cmd) if exit_with_parent else cmd,
             env=env,
