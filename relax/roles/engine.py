@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import ray
+
+logger = logging.getLogger(__name__)
 
 
 def engine_bind_host() -> str:
@@ -16,6 +19,26 @@ def engine_bind_host() -> str:
         return "127.0.0.1"
     alive = [node for node in ray.nodes() if node.get("Alive")]
     return ray.util.get_node_ip_address() if len(alive) > 1 else "127.0.0.1"
+
+
+PORT_TAKEN = "address already in use"
+PORT_ATTEMPTS = 3
+
+
+def start_with_port_retry(make, timeout_s: float):
+    """Start the server `make()` builds and wait until it is healthy. Its port is found free before the
+    server binds it, so another process can take it in between (seen on a busy machine: "[Errno 98] ...
+    address already in use"); then a new server with a new port is tried, up to PORT_ATTEMPTS in all."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        process = make()
+        process.start()
+        try:
+            return process.wait_healthy(timeout_s) or process
+        except Exception as exc:
+            process.stop()
+            if attempt == PORT_ATTEMPTS or PORT_TAKEN not in str(exc).lower():
+                raise
+            logger.warning("engine port %d was taken before the server bound it; trying another", process.port)
 
 
 @ray.remote
@@ -33,18 +56,19 @@ class EngineActor:
 
     def start(self, timeout_s: float = 300.0) -> str:
         host = engine_bind_host()
-        if self.backend == "embedded":
-            from relax.backends.embedded.launcher import EmbeddedServerProcess
 
-            self.process = EmbeddedServerProcess(self.model_path, host=host, server_args=self.server_args,
-                                                 log_path=self.log_path)
-        else:
+        def make():
+            if self.backend == "embedded":
+                from relax.backends.embedded.launcher import EmbeddedServerProcess
+
+                return EmbeddedServerProcess(self.model_path, host=host, server_args=self.server_args,
+                                             log_path=self.log_path)
             from relax.backends.sglang.server import SGLangServerProcess
 
-            self.process = SGLangServerProcess(self.model_path, host=host, tp_size=self.tp_size,
-                                               server_args=self.server_args, log_path=self.log_path)
-        self.process.start()
-        self.process.wait_healthy(timeout_s)
+            return SGLangServerProcess(self.model_path, host=host, tp_size=self.tp_size,
+                                       server_args=self.server_args, log_path=self.log_path)
+
+        self.process = start_with_port_retry(make, timeout_s)
         return self.process.url
 
     def alive(self) -> bool:
