@@ -41,8 +41,12 @@ def shared_ray():
     from relax.config.env import worker_env
 
     if not ray.is_initialized():
+        # Hooks that tests name by module (`test_rollout_e2e.mark`) are imported inside the roles: the workers
+        # need this folder on their path (a test's own PYTHONPATH comes too late for a cluster started earlier).
+        path = os.pathsep.join([str(ROOT / "tests"), str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
         ray.init(num_cpus=SHARED_RAY_CPUS, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {**worker_env(), ENGINE_API_KEY_ENV: ensure_engine_api_key()}})
+                 runtime_env={"env_vars": {**worker_env(), ENGINE_API_KEY_ENV: ensure_engine_api_key(),
+                                           "PYTHONPATH": path}})
     return ray
 
 
