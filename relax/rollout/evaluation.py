@@ -1,20 +1,6 @@
 """Evaluation sets and `evaluate`: metrics under `eval/<name>/...`.
 
-Sets come from `--eval-prompt-data NAME PATH [NAME PATH ...]` or from `--eval-config FILE` (YAML or
-JSON, OmegaConf interpolation allowed)::
-
-    eval:                       # optional top-level key
-      defaults:                 # apply to every dataset (override the --eval-* flags)
-        n_samples_per_eval_prompt: 4
-        temperature: 0.6
-      datasets:
-        - name: aime
-          path: /data/aime.jsonl
-          rm_type: math
-          max_response_len: 1024
-
-Per-set keys (anything else is an error naming the file and key): see `EVAL_SET_KEYS`. Unset keys
-fall back to the `--eval-*` flags (which fall back to the `--rollout-*` ones). The sets are read and
+The sets (`--eval-prompt-data`, `--eval-config`, their keys and fallbacks) are read and
 checked by `relax.config.eval_sets` (names re-exported here).
 
 Generation: each sample goes through the default token-in/token-out call (or
