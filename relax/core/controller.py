@@ -12,18 +12,34 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import ray
+from ray.util.placement_group import remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from relax.backends.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
+from relax.backends.engine_client import EngineClient
 from relax.config.config import Config
+from relax.config.env import threads_per_process, worker_env
 from relax.config.errors import ConfigError
+from relax.config.explain import write_resolved_config
 from relax.core.calls import descendants, run_bounded, run_quietly, stop_processes, wait_all, wait_quietly
 from relax.core.deadlines import FLAGS, Call, Deadlines, RoleFailure, console_line
+from relax.core.checkpointing import resume_from, save_checkpoint
+from relax.core.colocate import ColocateProtocol
+from relax.core.placement import (cluster_has_gpus, colocated_bundles, create_placement_group, role_bundles,
+                                  trainer_gpus)
 from relax.core.preflight import preflight
+from relax.core.roles import TrainingAuxRoles, build_aux_roles, launch_aux_groups
+from relax.data.plane import DataPlane
+from relax.models.embedded import build_embedded_assets
 from relax.observability.accounting import RunAccounting, step_problems
+from relax.observability.metrics import MetricsWriter
+from relax.roles.rollout import RolloutManager
+from relax.roles.trainer import TrainerWorker
 from relax.weights.shm import sweep_stale_segments
 
 logger = logging.getLogger("relax")
@@ -52,13 +68,6 @@ class Controller:
 
     # ------------------------------------------------------------------ start-up
     def start(self) -> None:
-        from relax.config.env import threads_per_process, worker_env
-        from relax.core.placement import cluster_has_gpus, create_placement_group, role_bundles
-        from relax.data.plane import DataPlane
-        from relax.observability.metrics import MetricsWriter
-        from relax.roles.rollout import RolloutManager
-        from relax.roles.trainer import TrainerWorker
-
         c = self.config
         actor_world = c.actor_world_size
         # One secret per run guards every engine's control endpoints; roles receive it in their environment.
@@ -73,25 +82,18 @@ class Controller:
                          runtime_env={"env_vars": env}, log_to_driver=True)
             self.started_ray = True
         use_gpu = cluster_has_gpus()
-        capacity = c.rollout_batch_size * (c.max_staleness + 1) * c.n_samples_per_prompt
-        # "packed" moves each sample as one record: 3-5x faster than one message part per field.
-        self.data = DataPlane.start(c.num_data_storage_units, capacity_samples=capacity,
-                                    polling_mode=c.polling_mode, layout="packed")
         if c.colocate:  # engines and trainer ranks on the same bundles (devices), taking turns
-            from relax.core.placement import colocated_bundles
-
             pg_actor = pg_rollout = create_placement_group(colocated_bundles(c, use_gpu), "relax-colocate")
         else:
             pg_actor = create_placement_group(role_bundles(c, "actor", use_gpu), "relax-actor")
             pg_rollout = create_placement_group(role_bundles(c, "rollout", use_gpu), "relax-rollout")
         self.placement_groups = list({id(pg): pg for pg in (pg_actor, pg_rollout) if pg is not None}.values())
 
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
+        # Start-up overlaps: every role's actors are created first (each a process that imports torch, Megatron
+        # or SGLang for seconds), then TransferQueue starts while they import, and only then does the
+        # controller wait for each role in turn. Nothing reads the data plane before its setup call.
         threads = threads_per_process(actor_world)
         train_env = {"env_vars": {**worker_env(c.train_env_vars, training_role=True), **engine_key}}
-        from relax.core.placement import trainer_gpus
-
         self.workers = [
             TrainerWorker.options(num_cpus=1, num_gpus=trainer_gpus(c, use_gpu), runtime_env=train_env,
                                   scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -99,13 +101,20 @@ class Controller:
                                   ).remote(c, rank, actor_world, threads)
             for rank in range(actor_world)
         ]
-        # The rollout side (manager, engines, router) starts while the trainer ranks initialise: the two are
-        # independent until the first weight push, and each takes tens of seconds on a small machine. Colocated
-        # roles share devices, so there the engines start after the trainer has taken its memory.
+        launched_aux = launch_aux_groups(c, use_gpu=use_gpu)
+        # held from now on, so that a failing start-up shuts them down too
+        self.aux = TrainingAuxRoles(c, launched_aux.get("reference"), critic=launched_aux.get("critic"),
+                                    teacher=launched_aux.get("teacher"))
+        # The rollout side (manager, engines, router) is independent of the trainer until the first weight
+        # push. Colocated roles share devices, so there the engines start after the trainer has taken its memory.
         self.rollout = RolloutManager.options(num_cpus=1, runtime_env={"env_vars": engine_key}).remote(c)
         engines_ref = None
         if not c.debug_train_only and not c.colocate:
             engines_ref = self.rollout.start_engines.remote(pg_rollout)
+        capacity = c.rollout_batch_size * (c.max_staleness + 1) * c.n_samples_per_prompt
+        # "packed" moves each sample as one record: 3-5x faster than one message part per field.
+        self.data = DataPlane.start(c.num_data_storage_units, capacity_samples=capacity,
+                                    polling_mode=c.polling_mode, layout="packed")
         master_addr, master_port = wait_all([self.workers[0].master_address.remote()],
                                             [Call("trainer", "start", rank=0)],  # the actor's creation, too
                                             deadline_s=self.deadlines.train_s, flag=FLAGS["train"])[0]
@@ -114,6 +123,7 @@ class Controller:
         self.worker_where = [info.get("where") for info in infos]
         logger.info("trainer: %d rank(s), data-parallel %d, %d parameters", actor_world, infos[0]["dp"],
                     infos[0]["params"])
+        self.aux = build_aux_roles(c, use_gpu=use_gpu, data_plane=self.data, launched=launched_aux)
         if not c.debug_train_only:  # train-only debugging replays saved rollouts: no engines
             if engines_ref is None:
                 engines_ref = self.rollout.start_engines.remote(pg_rollout)
@@ -121,14 +131,9 @@ class Controller:
                                           [Call("rollout", "engine and router start")], None, "")[0]
             logger.info("rollout: %d engine(s) behind %s", len(self.engine_urls),
                         self._rollout_call("router_url", "router address", None))
-        from relax.core.roles import build_aux_roles
-
-        self.aux = build_aux_roles(c, use_gpu=use_gpu, data_plane=self.data)
         self.metrics = MetricsWriter.from_config(c)
         if c.load:
             self._resume(c.load)
-        from relax.core.colocate import ColocateProtocol
-
         self.colocate = ColocateProtocol(c, self.workers, self.engine_urls)
 
     # ------------------------------------------------------------------ the loop
@@ -231,10 +236,6 @@ class Controller:
 
     def _silent_engines(self) -> str:
         """Which engines do not answer /health within the control deadline (at most 5 s), as a clause."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        from relax.backends.engine_client import EngineClient
-
         if not self.engine_urls:
             return ""
         wait_s = min(5.0, self.deadlines.control_s)
@@ -272,13 +273,9 @@ class Controller:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, rollout_id: int) -> Path:
-        from relax.core.checkpointing import save_checkpoint
-
         return save_checkpoint(self, rollout_id)
 
     def _resume(self, load: str) -> None:
-        from relax.core.checkpointing import resume_from
-
         resume_from(self, load)
 
     # ------------------------------------------------------------------ shutdown
@@ -311,8 +308,6 @@ class Controller:
                 pass
         if self.data is not None:
             run_quietly(self.data.shutdown, grace, "stop the data plane")
-        from ray.util.placement_group import remove_placement_group
-
         for pg in self.placement_groups + aux_groups:
             try:
                 remove_placement_group(pg)
@@ -371,8 +366,6 @@ def _install_signal_handlers(handler=_raise_interrupt) -> None:
 
 
 def run_controller(config: Config) -> int:
-    from relax.config.explain import write_resolved_config
-
     out = Path(config.output_dir)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     out.chmod(0o700)  # logs and configs of a run can hold paths and hosts of a private setup: owner only
@@ -382,8 +375,6 @@ def run_controller(config: Config) -> int:
     if config.dump_details:
         write_resolved_config(config, Path(config.dump_details) / "config.yaml")
     if config.meta.get("embedded_default"):
-        from relax.models.embedded import build_embedded_assets
-
         info = build_embedded_assets(config.hf_checkpoint, config.prompt_data, seed=config.seed % 1000)
         logger.info("embedded default assets: %s", info)
     try:

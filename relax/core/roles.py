@@ -5,7 +5,8 @@ The controller calls, every step:
     ... actor trainer group trains with `extras` ...
     aux.post_train(step, metrics)         # e.g. critic update; may add metrics
     aux.after_weight_update(step)         # e.g. refresh the reference every --ref-update-interval
-A role is a group of Ray actors created in `build_aux_roles`; runs without such roles get `NoAuxRoles`.
+A role is a group of Ray actors, created by `launch_aux_groups` (early, so their start-up overlaps the other roles')
+and set up by `build_aux_roles`; runs without such roles get `NoAuxRoles`.
 
 Roles built here, each one Ray actor per actor rank (the actor's parallel layout), in its own placement group:
   * reference (--use-kl-loss / --kl-coef): `ref_logprobs` before the actor trains;
@@ -71,11 +72,18 @@ class NoAuxRoles(AuxRoles):
 
 class WorkerGroup:
     """One worker per actor rank, built by `worker_cls.options(...).remote(config, rank, world, threads, *args)`,
-    set up together (their own torch.distributed group), in a placement group named `relax-<name>`."""
+    set up together (their own torch.distributed group), in a placement group named `relax-<name>`.
+
+    Two phases, so that start-up overlaps: the constructor only creates the actors (their processes start and
+    import in the background while the controller starts the other roles); `setup()` waits for them and builds
+    their models."""
 
     def __init__(self, name: str, worker_cls: Any, config: Any, *, use_gpu: bool, args: tuple = ()):
         self.name = name
+        self.config = config
+        self.use_gpu = use_gpu
         self.workers: list[Any] = []
+        self.infos: list[dict[str, Any]] = []
         self.placement_group = None
         world = config.actor_world_size
         bundles = [{"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0} for _ in range(world)]
@@ -89,19 +97,25 @@ class WorkerGroup:
                                ).remote(config, rank, world, threads, *args)
             for rank in range(world)
         ]
+
+    def setup(self) -> "WorkerGroup":
+        """Wait for the ranks to start, join their process group and build their models; shuts the group down
+        if that fails."""
+        world = len(self.workers)
         try:
             # within --train-step-timeout and in short slices, like the actor's own ranks (relax.core.calls)
-            deadline = config.train_step_timeout or None
-            addr, port = wait_all([self.workers[0].master_address.remote()], [Call(name, "start", rank=0)],
+            deadline = self.config.train_step_timeout or None
+            addr, port = wait_all([self.workers[0].master_address.remote()], [Call(self.name, "start", rank=0)],
                                   deadline_s=deadline, flag=FLAGS["train"])[0]
-            backend = config.distributed_backend if use_gpu else "gloo"
+            backend = self.config.distributed_backend if self.use_gpu else "gloo"
             self.infos = wait_all([w.setup.remote(addr, port, backend) for w in self.workers],
-                                  [Call(name, "setup", rank=r) for r in range(world)], deadline_s=deadline,
+                                  [Call(self.name, "setup", rank=r) for r in range(world)], deadline_s=deadline,
                                   flag=FLAGS["train"])
         except BaseException:
             self.shutdown()
             raise
-        logger.info("%s: %d rank(s), weights from %s", name, world, self.infos[0]["source"])
+        logger.info("%s: %d rank(s), weights from %s", self.name, world, self.infos[0]["source"])
+        return self
 
     def gather_rows(self, step: int, key: str) -> tuple[list[list[float]], list[int], float]:
         """(per-sample rows of `compute(step)[key]` in sample order, the samples' indices, seconds)."""
@@ -250,22 +264,39 @@ class TrainingAuxRoles(AuxRoles):
                 setattr(self, name, None)
 
 
-def build_aux_roles(config: Any, *, use_gpu: bool, data_plane: Any) -> AuxRoles:
-    """Create the auxiliary role groups this config needs: a reference for --use-kl-loss / --kl-coef, a critic
-    for --advantage-estimator ppo, a teacher for --use-opd --opd-type megatron (an HTTP client of --rm-url for
-    --opd-type sglang)."""
+def launch_aux_groups(config: Any, *, use_gpu: bool) -> dict[str, WorkerGroup]:
+    """Create the Ray actors of the auxiliary role groups this config needs, without waiting for them: a
+    reference for --use-kl-loss / --kl-coef, a teacher for --use-opd --opd-type megatron, a critic for
+    --advantage-estimator ppo. `build_aux_roles` sets them up."""
+    groups: dict[str, WorkerGroup] = {}
     if config.debug_rollout_only:
-        return NoAuxRoles()
-    groups: dict[str, Any] = {}
+        return groups
     try:
         if needs_reference(config):
             groups["reference"] = ReferenceGroup(config, use_gpu=use_gpu)
         if needs_teacher(config):
             groups["teacher"] = TeacherGroup(config, use_gpu=use_gpu)
-        elif config.use_opd and config.opd_type == "sglang":
-            groups["teacher"] = SGLangTeacher.from_config(config, data_plane)
         if needs_critic(config):
             groups["critic"] = CriticGroup(config, use_gpu=use_gpu)
+    except BaseException:
+        for group in groups.values():
+            group.shutdown()
+        raise
+    return groups
+
+
+def build_aux_roles(config: Any, *, use_gpu: bool, data_plane: Any,
+                    launched: dict[str, WorkerGroup] | None = None) -> AuxRoles:
+    """Set up the auxiliary role groups (`launched` by `launch_aux_groups`, or launched here) and, for
+    --opd-type sglang, the HTTP client of --rm-url that stands in for the teacher group."""
+    if config.debug_rollout_only:
+        return NoAuxRoles()
+    groups: dict[str, Any] = dict(launched) if launched is not None else launch_aux_groups(config, use_gpu=use_gpu)
+    try:
+        for group in groups.values():
+            group.setup()
+        if config.use_opd and config.opd_type == "sglang":
+            groups["teacher"] = SGLangTeacher.from_config(config, data_plane)
     except BaseException:
         for group in groups.values():
             group.shutdown()

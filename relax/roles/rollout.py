@@ -19,11 +19,17 @@ import time
 from typing import Any
 
 import ray
+from transformers import AutoTokenizer
 
 from relax.backends.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
 from relax.config.env import threads_per_process
+from relax.data.plane import DataPlane
 from relax.data.replay_record import run_record
 from relax.observability.accounting import delivery_accounting
+from relax.rollout.buffer import build_data_source
+from relax.rollout.context import load_hook
+from relax.rollout.prompts import PromptEncoder
+from relax.rollout.rewards import RewardRunner
 from relax.rollout.step_logs import group_variance_metrics
 
 logger = logging.getLogger(__name__)
@@ -91,14 +97,6 @@ def step_metrics(samples: list[Any], gen_time: float) -> dict[str, float]:
 @ray.remote
 class RolloutManager:
     def __init__(self, config: Any):
-        from transformers import AutoTokenizer
-
-        from relax.data.plane import DataPlane
-        from relax.rollout.buffer import build_data_source
-        from relax.rollout.context import load_hook
-        from relax.rollout.prompts import PromptEncoder
-        from relax.rollout.rewards import RewardRunner
-
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.hf_checkpoint)
         self.encoder = PromptEncoder.from_args(config, self.tokenizer)
@@ -110,12 +108,19 @@ class RolloutManager:
         self.log_fn = load_hook(config.custom_rollout_log_function_path, "--custom-rollout-log-function-path")
         self.eval_log_fn = load_hook(config.custom_eval_rollout_log_function_path,
                                      "--custom-eval-rollout-log-function-path")
-        self.data = DataPlane.attach()
+        # The data plane is attached at the first put: the manager (and its engines) start while the
+        # controller is still starting TransferQueue, which takes seconds on a small machine.
+        self._data = None
         self.engines: list[Any] = []
         self.engine_urls: list[str] = []
         self.router = None
         self.backend: str | None = None  # the engines' backend; None for external engines
         self.next_index = 0
+
+    def _data_plane(self) -> Any:
+        if self._data is None:
+            self._data = DataPlane.attach()
+        return self._data
 
     # ------------------------------------------------------------------ engines and router
     def start_engines(self, placement_group=None, bundle_offset: int = 0) -> list[str]:
@@ -209,7 +214,7 @@ class RolloutManager:
             groups = _group(samples)
         if c.save_debug_rollout_data:
             save_rollout_data(c.save_debug_rollout_data, step, samples, run=run_record(c))
-        self.data.put(step, samples)
+        self._data_plane().put(step, samples)
         metrics = step_metrics(samples, gen_time)
         metrics.update(group_variance_metrics(samples))  # the collapse monitor reads the zero-variance fraction
         metrics.update(extra)
