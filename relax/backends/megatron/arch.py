@@ -1,21 +1,98 @@
-"""Model architecture: what an HF config says, in the terms Megatron-core needs.
+"""Model architecture: what an HF config or Megatron's architecture flags say, in the terms Megatron-core needs.
 
 `ModelArch` is a frozen, hashable description of a decoder-only transformer
-(Llama, Qwen2, Qwen3 dense and Qwen3-MoE). `to_transformer_config` turns it plus
+(Llama, Qwen2, Qwen3 dense and Qwen3-MoE). It is built from an HF config
+(`from_hf_config`) or from Megatron's architecture flags (`from_flags`), and
+`to_flags` states it back as those flags. `to_transformer_config` turns it plus
 the parallel layout and precision into a Megatron `TransformerConfig`.
+
+torch and megatron-core are imported inside `to_transformer_config` only: the
+checks before a run (relax.config.rules_arch) read this module and must stay fast.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
-import torch
-
-__all__ = ["ModelArch", "to_transformer_config", "pad_vocab_size"]
+__all__ = ["ARCH_FLAGS", "SIZE_FLAGS", "ModelArch", "arch_for_run", "to_transformer_config", "pad_vocab_size"]
 
 _SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+
+# Megatron's architecture flags (argparse dest -> (flag, where an HF config states the same fact)). These are
+# the flags of the Megatron parser that decide the shape of the model Relax builds; `ModelArch.to_flags` gives
+# their values for a model, `ModelArch.from_flags` builds a model from them. The flags of features the model
+# families above do not have (post-layernorm residuals, zero-centred norms, other activations, MLA, shared
+# experts, grouped routing, ...) are listed with the value that means "off".
+ARCH_FLAGS: dict[str, tuple[str, str]] = {
+    "num_layers": ("--num-layers", "num_hidden_layers"),
+    "hidden_size": ("--hidden-size", "hidden_size"),
+    "ffn_hidden_size": ("--ffn-hidden-size", "intermediate_size"),
+    "num_attention_heads": ("--num-attention-heads", "num_attention_heads"),
+    "group_query_attention": ("--group-query-attention", "num_key_value_heads below num_attention_heads"),
+    "num_query_groups": ("--num-query-groups", "num_key_value_heads"),
+    "kv_channels": ("--kv-channels", "head_dim, else hidden_size / num_attention_heads"),
+    "swiglu": ("--swiglu", "hidden_act silu with a gated MLP"),
+    "squared_relu": ("--squared-relu", "hidden_act"),
+    "openai_gelu": ("--openai-gelu", "hidden_act"),
+    "quick_geglu": ("--quick-geglu", "hidden_act"),
+    "normalization": ("--normalization", "RMSNorm in every supported model"),
+    "layernorm_epsilon": ("--norm-epsilon", "rms_norm_eps"),
+    "layernorm_zero_centered_gamma": ("--apply-layernorm-1p", "plain RMSNorm weights"),
+    "apply_residual_connection_post_layernorm": ("--apply-residual-connection-post-layernorm", "pre-norm layers"),
+    "qk_layernorm": ("--qk-layernorm", "model_type qwen3 / qwen3_moe (q_norm, k_norm)"),
+    "qk_l2_norm": ("--qk-l2-norm", "no L2 QK norm"),
+    "attention_output_gate": ("--attention-output-gate", "no attention output gate"),
+    "multi_latent_attention": ("--multi-latent-attention", "standard attention"),
+    "position_embedding_type": ("--position-embedding-type", "RoPE"),
+    "use_rotary_position_embeddings": ("--use-rotary-position-embeddings", "RoPE"),
+    "add_position_embedding": ("--no-position-embedding", "no learned position table (RoPE)"),
+    "rotary_base": ("--rotary-base", "rope_theta"),
+    "rotary_percent": ("--rotary-percent", "RoPE on the whole head"),
+    "rotary_interleaved": ("--rotary-interleaved", "half-split RoPE"),
+    "rotary_seq_len_interpolation_factor": ("--rotary-seq-len-interpolation-factor", "rope_scaling"),
+    "use_rope_scaling": ("--use-rope-scaling", "rope_scaling of rope_type llama3"),
+    "rope_scaling_factor": ("--rope-scaling-factor", "rope_scaling.factor"),
+    "max_position_embeddings": ("--max-position-embeddings", "max_position_embeddings"),
+    "untie_embeddings_and_output_weights": ("--untie-embeddings-and-output-weights", "tie_word_embeddings false"),
+    "add_bias_linear": ("--disable-bias-linear", "no biases in the linear layers (mlp_bias false)"),
+    "add_qkv_bias": ("--add-qkv-bias", "QKV biases: model_type qwen2, or attention_bias"),
+    "vocab_size": ("--vocab-size", "vocab_size"),
+    "num_experts": ("--num-experts", "num_experts"),
+    "moe_ffn_hidden_size": ("--moe-ffn-hidden-size", "moe_intermediate_size"),
+    "moe_router_topk": ("--moe-router-topk", "num_experts_per_tok"),
+    "moe_layer_freq": ("--moe-layer-freq", "every layer MoE (decoder_sparse_step 1, no mlp_only_layers)"),
+    "moe_router_pre_softmax": ("--moe-router-pre-softmax", "norm_topk_prob false"),
+    "moe_router_score_function": ("--moe-router-score-function", "softmax routing"),
+    "moe_router_topk_scaling_factor": ("--moe-router-topk-scaling-factor", "no routing-weight scale"),
+    "moe_router_num_groups": ("--moe-router-num-groups", "no grouped routing"),
+    "moe_router_group_topk": ("--moe-router-group-topk", "no grouped routing"),
+    "moe_router_enable_expert_bias": ("--moe-router-enable-expert-bias", "no expert bias"),
+    "moe_shared_expert_intermediate_size": ("--moe-shared-expert-intermediate-size", "no shared expert"),
+}
+
+# Megatron flags about the model's size that are no single fact of an HF config (dest -> flag): checked against
+# the HF config before a run (relax.config.rules_arch) and used as Megatron uses them (`arch_for_run`).
+SIZE_FLAGS: dict[str, str] = {
+    "seq_length": "--seq-length",
+    "padded_vocab_size": "--padded-vocab-size",
+    "make_vocab_size_divisible_by": "--make-vocab-size-divisible-by",
+}
+
+# Flags of features the supported families do not have, with the value that leaves the feature off.
+_ABSENT_FEATURES: dict[str, Any] = {
+    "squared_relu": False, "openai_gelu": False, "quick_geglu": False, "layernorm_zero_centered_gamma": False,
+    "apply_residual_connection_post_layernorm": False, "qk_l2_norm": False, "attention_output_gate": False,
+    "multi_latent_attention": False, "rotary_interleaved": False, "rotary_seq_len_interpolation_factor": None,
+    "moe_router_score_function": "softmax", "moe_router_topk_scaling_factor": None, "moe_router_num_groups": None,
+    "moe_router_group_topk": None, "moe_router_enable_expert_bias": False, "moe_shared_expert_intermediate_size": None,
+}
+
+
+def megatron_default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
+    """Megatron's --ffn-hidden-size when unset: 4 x hidden, or 2/3 of it rounded down to 64 with SwiGLU."""
+    return int((4 * hidden_size * 2 / 3) / 64) * 64 if swiglu else 4 * hidden_size
 
 
 def pad_vocab_size(vocab_size: int, multiple: int) -> int:
@@ -152,6 +229,148 @@ class ModelArch:
             **moe,
         )
 
+    def to_flags(self) -> dict[str, Any]:
+        """This model as Megatron's architecture flags (every dest of `ARCH_FLAGS`), the values with which
+        Megatron would build the same model. MoE flags of a dense model are None."""
+        moe = self.is_moe
+        flags: dict[str, Any] = dict(_ABSENT_FEATURES)
+        flags.update(
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            ffn_hidden_size=self.ffn_hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            group_query_attention=self.num_query_groups != self.num_attention_heads,
+            num_query_groups=self.num_query_groups,
+            kv_channels=self.kv_channels,
+            swiglu=self.swiglu,
+            normalization=self.normalization,
+            layernorm_epsilon=self.norm_epsilon,
+            qk_layernorm=self.qk_layernorm,
+            position_embedding_type="rope",
+            use_rotary_position_embeddings=True,
+            add_position_embedding=False,
+            rotary_base=self.rotary_base,
+            rotary_percent=self.rotary_percent,
+            use_rope_scaling=self.rope_scaling_factor is not None,
+            rope_scaling_factor=self.rope_scaling_factor,
+            max_position_embeddings=self.max_position_embeddings,
+            untie_embeddings_and_output_weights=self.untie_embeddings_and_output_weights,
+            add_bias_linear=self.add_bias_linear,
+            add_qkv_bias=self.add_qkv_bias,
+            vocab_size=self.hf_vocab_size,
+            num_experts=self.num_experts,
+            moe_ffn_hidden_size=self.moe_ffn_hidden_size if moe else None,
+            moe_router_topk=self.moe_router_topk if moe else None,
+            moe_layer_freq=1 if moe else None,
+            moe_router_pre_softmax=(not self.moe_norm_topk_prob) if moe else None,
+        )
+        return flags
+
+    @classmethod
+    def from_flags(cls, flags: Mapping[str, Any], *, vocab_multiple: int = 1) -> "ModelArch":
+        """Build from Megatron's architecture flags (a mapping of dests, such as a run's `Config`), read as
+        Megatron reads them: --ffn-hidden-size and --kv-channels default from --hidden-size, --num-query-groups
+        counts only with --group-query-attention, --max-position-embeddings defaults to --seq-length.
+
+        Only models that Relax can also export to Hugging Face (and so to the rollout engines) are built:
+        Llama, Qwen2, Qwen3 and Qwen3-MoE shapes. ValueError names every missing or unbuildable flag.
+        """
+        get = flags.get
+        problems = [f"{ARCH_FLAGS[d][0]} is required" for d in ("num_layers", "hidden_size", "num_attention_heads")
+                    if not get(d)]
+        if not (get("vocab_size") or get("padded_vocab_size")):
+            problems.append("--vocab-size (or --padded-vocab-size) is required")
+        max_pos = get("max_position_embeddings") or get("seq_length")
+        if not max_pos:
+            problems.append("--max-position-embeddings (or --seq-length) is required")
+        if not get("swiglu"):
+            problems.append("--swiglu is required (the supported models have a gated SiLU MLP)")
+        if get("normalization", "LayerNorm") != "RMSNorm":
+            problems.append(f"--normalization {get('normalization', 'LayerNorm')}: the supported models use RMSNorm")
+        if not (get("use_rotary_position_embeddings") or get("position_embedding_type") == "rope"):
+            problems.append("--position-embedding-type rope (or --use-rotary-position-embeddings) is required")
+        if get("add_bias_linear", True):
+            problems.append("--disable-bias-linear is required (the supported models have no linear biases)")
+        if (get("rotary_percent") or 1.0) != 1.0:
+            problems.append(f"--rotary-percent {get('rotary_percent')}: the supported models rotate the whole head")
+        for dest, off in _ABSENT_FEATURES.items():
+            if get(dest, off) != off:
+                problems.append(f"{ARCH_FLAGS[dest][0]} {get(dest)}: not a feature of the supported models")
+        experts = get("num_experts") or None
+        if experts and not get("qk_layernorm"):
+            problems.append("--num-experts needs --qk-layernorm (MoE models are built as Qwen3-MoE)")
+        freq = get("moe_layer_freq", 1)
+        if experts and not (freq == 1 or (isinstance(freq, list) and set(freq) == {1})):
+            problems.append(f"--moe-layer-freq {freq}: only all-MoE layers are supported")
+        if problems:
+            raise ValueError("cannot build the model from the architecture flags: " + "; ".join(problems))
+        hidden, heads = get("hidden_size"), get("num_attention_heads")
+        ffn = get("ffn_hidden_size") or megatron_default_ffn_hidden_size(hidden, True)
+        vocab = get("vocab_size") or get("padded_vocab_size")
+        padded = get("padded_vocab_size") or pad_vocab_size(vocab, vocab_multiple)
+        moe: dict[str, Any] = {}
+        if experts:
+            moe = dict(num_experts=experts, moe_router_topk=get("moe_router_topk") or 2,
+                       moe_ffn_hidden_size=get("moe_ffn_hidden_size") or ffn,
+                       moe_norm_topk_prob=not get("moe_router_pre_softmax"))
+        family = ("qwen3_moe" if experts else "qwen3" if get("qk_layernorm")
+                  else "qwen2" if get("add_qkv_bias") else "llama")
+        return cls(
+            num_layers=get("num_layers"),
+            hidden_size=hidden,
+            ffn_hidden_size=ffn,
+            num_attention_heads=heads,
+            num_query_groups=get("num_query_groups") if get("group_query_attention") else heads,
+            kv_channels=get("kv_channels") or hidden // heads,
+            vocab_size=padded,
+            hf_vocab_size=vocab,
+            max_position_embeddings=max_pos,
+            rotary_base=float(get("rotary_base") or 10000),
+            rope_scaling_factor=float(get("rope_scaling_factor") or 8.0) if get("use_rope_scaling") else None,
+            norm_epsilon=float(get("layernorm_epsilon") or 1e-5),
+            normalization="RMSNorm",
+            swiglu=True,
+            add_bias_linear=False,
+            add_qkv_bias=bool(get("add_qkv_bias")),
+            qk_layernorm=bool(get("qk_layernorm")),
+            untie_embeddings_and_output_weights=bool(get("untie_embeddings_and_output_weights")),
+            hf_family=family,
+            **moe,
+        )
+
+
+def _user_set(config: Any, dest: str) -> bool:
+    """The user gave `dest` a value other than its default (a resolved config restates every default)."""
+    if dest not in getattr(config, "explicit", ()):
+        return False
+    defaults = getattr(config, "meta", {}).get("defaults", {})
+    return dest not in defaults or config[dest] != defaults[dest]
+
+
+def arch_for_run(config: Any) -> ModelArch:
+    """The model a run trains: the HF config's of --hf-checkpoint (architecture flags given with it were checked
+    to agree before the run: relax.config.rules_arch), else the one the architecture flags describe.
+
+    The vocabulary is padded as Megatron pads it when the user asks: to --padded-vocab-size, or to a multiple
+    of --make-vocab-size-divisible-by x --tensor-model-parallel-size; otherwise only to a multiple of the
+    tensor-parallel size (by `MegatronTrainer`). Padded rows never reach the outputs or the exported weights.
+    """
+    multiple = 1
+    if _user_set(config, "make_vocab_size_divisible_by"):
+        multiple = config["make_vocab_size_divisible_by"] * (config.get("tensor_model_parallel_size") or 1)
+    if config.get("hf_checkpoint"):
+        from transformers import AutoConfig  # ~2 s to import: only where a model is built
+
+        arch = ModelArch.from_hf_config(AutoConfig.from_pretrained(config["hf_checkpoint"]), vocab_multiple=multiple)
+    else:
+        arch = ModelArch.from_flags(config, vocab_multiple=multiple)
+    padded = config.get("padded_vocab_size") if _user_set(config, "padded_vocab_size") else None
+    if padded:
+        if padded < arch.hf_vocab_size:
+            raise ValueError(f"--padded-vocab-size {padded} is smaller than the vocabulary ({arch.hf_vocab_size})")
+        arch = dataclasses.replace(arch, vocab_size=padded)
+    return arch
+
 
 def to_transformer_config(
     arch: ModelArch,
@@ -161,7 +380,7 @@ def to_transformer_config(
     cp: int = 1,
     ep: int = 1,
     etp: Optional[int] = None,
-    params_dtype: torch.dtype = torch.float32,
+    params_dtype: Any = None,  # a torch.dtype; float32 when None
     bf16: bool = False,
     fp16: bool = False,
     sequence_parallel: bool = False,
@@ -175,12 +394,16 @@ def to_transformer_config(
     """A Megatron `TransformerConfig` for `arch` under the given parallel layout.
 
     Dropout is off (RL post-training); fusions that need CUDA kernels are off;
-    `overrides` are passed to `TransformerConfig` last. With
+    `overrides` are passed to `TransformerConfig` last; `params_dtype` is float32
+    unless given (or set by `bf16`/`fp16`). With
     `use_cpu_initialization` the random init is computed unsplit on the CPU, so
     it is identical for every TP size (slow for large models on GPU).
     """
+    import torch
     from megatron.core.transformer import TransformerConfig
 
+    if params_dtype is None:
+        params_dtype = torch.float32
     if bf16 and fp16:
         raise ValueError("bf16 and fp16 are exclusive")
     if arch.vocab_size % tp:
