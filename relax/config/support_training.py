@@ -1,7 +1,13 @@
 """Training-side flags whose features are built (see relax.config.support). Add a dest only with its
 code and test."""
 
-TRAINING_FEATURES: frozenset[str] = frozenset({
+from relax.backends.megatron.arch import ARCH_FLAGS, SIZE_FLAGS
+
+# Megatron's architecture flags: checked against the --hf-checkpoint config before the run
+# (relax.config.rules_arch), the model is built from that config (tests/test_arch_flags.py).
+ARCH_FEATURES: frozenset[str] = frozenset(ARCH_FLAGS) | frozenset(SIZE_FLAGS)
+
+TRAINING_FEATURES: frozenset[str] = ARCH_FEATURES | frozenset({
     # reference role and KL (tests/test_training_*.py, tests/test_training_e2e.py)
     "use_kl_loss", "kl_loss_coef", "kl_loss_type", "use_unbiased_kl", "kl_coef", "ref_load", "ref_ckpt_step",
     "ref_update_interval", "gamma",

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
-from relax.config import rules_rollout, rules_training
+from relax.config import rules_arch, rules_rollout, rules_training
 from relax.config.errors import ConfigError
 from relax.config.presets import apply_embedded_default
 from relax.config.sglang import owned_flag_error, resolve_backend
@@ -67,6 +67,7 @@ def validate_and_derive(values: dict[str, Any], explicit: frozenset[str],
     for rule in RULES + tuple(rules_training.RULES) + tuple(rules_rollout.RULES):
         if not (embedded and rule is check_data):  # the embedded data is created at start-up
             rule(v, explicit)
+    rules_arch.check_arch_flags(v, explicit, defaults)
     derive(v, explicit)
     for rule in POST_DERIVE_RULES + tuple(rules_rollout.POST_DERIVE_RULES):
         rule(v, explicit)

@@ -1,0 +1,232 @@
+"""Megatron's architecture flags against the model they are used with, before Ray starts.
+
+Launch scripts describe the model twice: a model flag file (`MODEL_ARGS=(--num-layers 28 --hidden-size 1024
+...)`) for Megatron, and `--hf-checkpoint` for the tokenizer, the rollout engines and the weights. Relax builds
+the trainer's model from the HF config, so every architecture flag the user sets must agree with it; one that
+does not is the classic wrong-model-file mistake, and `check_arch_flags` names each such flag, its value and
+the HF config's value. A flag at Megatron's default counts as not given (a resolved config restates every
+default): the HF config's value is used.
+
+Without an HF config the model would be built from the flags alone (`ModelArch.from_flags`), but a run cannot
+start without `--hf-checkpoint` yet: the rollout engines and the prompt tokenizer load it. Such a run is
+refused here, after the flags themselves are checked, naming what is missing.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+from relax.backends.megatron.arch import ARCH_FLAGS, SIZE_FLAGS, ModelArch
+from relax.config.errors import ConfigError
+from relax.config.presets import embedded_paths
+from relax.config.support import same_value
+
+
+_CHECKED = " With --hf-checkpoint it must agree with the model's config.json (checked before the run)."
+_OFF = " The supported models (Llama, Qwen2, Qwen3, Qwen3-MoE) do not have it: accepted only when off."
+
+# What each honoured architecture flag means (Megatron's meaning), for `relax-train --help`.
+ARCH_FLAG_HELP: dict[str, str] = {
+    "num_layers": "Number of transformer layers." + _CHECKED,
+    "hidden_size": "Width of the transformer's hidden states." + _CHECKED,
+    "ffn_hidden_size": "Width of the MLP's inner layer (unset: 4 x --hidden-size, or 2/3 of that rounded down "
+                       "to 64 with --swiglu)." + _CHECKED,
+    "num_attention_heads": "Number of attention (query) heads." + _CHECKED,
+    "group_query_attention": "Use grouped-query attention with --num-query-groups key/value heads." + _CHECKED,
+    "num_query_groups": "Number of key/value head groups; counts only with --group-query-attention (without it "
+                        "every head has its own)." + _CHECKED,
+    "kv_channels": "Width of each attention head (unset: --hidden-size / --num-attention-heads)." + _CHECKED,
+    "swiglu": "Gated SiLU (SwiGLU) MLP." + _CHECKED,
+    "squared_relu": "Squared-ReLU MLP activation." + _OFF,
+    "openai_gelu": "OpenAI's tanh approximation of GeLU." + _OFF,
+    "quick_geglu": "Quick GeGLU MLP activation." + _OFF,
+    "normalization": "Normalisation layer type." + _CHECKED,
+    "layernorm_epsilon": "Epsilon of the normalisation layers." + _CHECKED,
+    "layernorm_zero_centered_gamma": "Zero-centred normalisation weights (1 + gamma)." + _OFF,
+    "apply_residual_connection_post_layernorm": "Take the residual after the layer norm (post-norm style)." + _OFF,
+    "qk_layernorm": "Normalise queries and keys in each attention layer (Qwen3 models)." + _CHECKED,
+    "qk_l2_norm": "L2-normalise queries and keys." + _OFF,
+    "attention_output_gate": "Gate the attention output." + _OFF,
+    "multi_latent_attention": "Multi-latent attention (DeepSeek style)." + _OFF,
+    "position_embedding_type": "Kind of position embedding; the supported models use rope." + _CHECKED,
+    "use_rotary_position_embeddings": "Rotary position embeddings (older spelling of --position-embedding-type "
+                                      "rope)." + _CHECKED,
+    "add_position_embedding": "No learned absolute position table (rotary models have none)." + _CHECKED,
+    "rotary_base": "Base (theta) of the rotary embedding frequencies." + _CHECKED,
+    "rotary_percent": "Fraction of each head's dimensions that is rotated." + _CHECKED,
+    "rotary_interleaved": "Rotate interleaved pairs of dimensions instead of the two halves." + _OFF,
+    "rotary_seq_len_interpolation_factor": "Linear position interpolation of the rotary embedding." + _OFF,
+    "use_rope_scaling": "Llama-3.1-style RoPE frequency scaling." + _CHECKED,
+    "rope_scaling_factor": "Factor of the Llama-3.1-style RoPE scaling (used with --use-rope-scaling)." + _CHECKED,
+    "max_position_embeddings": "Longest sequence the position embedding is built for (unset: --seq-length)."
+                               + _CHECKED,
+    "untie_embeddings_and_output_weights": "Separate input-embedding and output-layer weights." + _CHECKED,
+    "add_bias_linear": "No biases in the linear layers." + _CHECKED,
+    "add_qkv_bias": "Biases in the query/key/value projection only (Qwen2 models)." + _CHECKED,
+    "vocab_size": "Size of the tokenizer's vocabulary, before padding." + _CHECKED,
+    "num_experts": "Experts per MoE layer (unset: a dense model)." + _CHECKED,
+    "moe_ffn_hidden_size": "Width of each expert's MLP." + _CHECKED,
+    "moe_router_topk": "Experts each token is routed to." + _CHECKED,
+    "moe_layer_freq": "Which layers are MoE (1, or a list with 1 for MoE layers); every layer in the supported "
+                      "models." + _CHECKED,
+    "moe_router_pre_softmax": "Softmax over all experts before choosing the top k (the weights are then not "
+                              "renormalised)." + _CHECKED,
+    "moe_router_score_function": "Router score function; the supported models use softmax." + _CHECKED,
+    "moe_router_topk_scaling_factor": "Scale of the routing weights." + _OFF,
+    "moe_router_num_groups": "Expert groups for group-limited routing." + _OFF,
+    "moe_router_group_topk": "Groups each token may be routed to (group-limited routing)." + _OFF,
+    "moe_router_enable_expert_bias": "Per-expert bias in the router (aux-loss-free balancing)." + _OFF,
+    "moe_shared_expert_intermediate_size": "Width of the shared experts' MLP." + _OFF,
+    "seq_length": "Longest sequence Megatron trains on. Relax's micro-batches take their lengths from the samples "
+                  "(prompt + response); this is checked against the model's max_position_embeddings.",
+    "padded_vocab_size": "Rows of the trainer's embedding and output layer (at least the vocabulary; the extra "
+                         "rows never reach the outputs or the engines).",
+    "make_vocab_size_divisible_by": "Pad the trainer's vocabulary to a multiple of this times "
+                                    "--tensor-model-parallel-size (unset: to a multiple of the tensor-parallel "
+                                    "size only).",
+}
+
+
+def user_set_flags(v: dict, explicit, defaults: Optional[dict] = None) -> list[str]:
+    """The honoured architecture flags the user set to a value other than Megatron's default, in table order."""
+    defaults = defaults or {}
+    order = list(ARCH_FLAGS) + list(SIZE_FLAGS)
+    return [d for d in order if d in explicit and d in v
+            and not (d in defaults and same_value(v[d], defaults[d]))]
+
+
+def flag_name(dest: str) -> str:
+    return ARCH_FLAGS[dest][0] if dest in ARCH_FLAGS else SIZE_FLAGS.get(dest, "--" + dest.replace("_", "-"))
+
+
+def _agree(value: Any, expected: Any) -> bool:
+    if isinstance(value, (int, float)) and isinstance(expected, (int, float)) \
+            and not isinstance(value, bool) and not isinstance(expected, bool):
+        return math.isclose(float(value), float(expected), rel_tol=1e-9, abs_tol=0.0)
+    return same_value(value, expected)
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, list) and len(value) > 6:  # a layer pattern such as [1]*48
+        return f"[{', '.join(map(str, value[:3]))}, ...] ({len(value)} entries)"
+    return str(value)
+
+
+def _shown(dest: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return flag_name(dest)  # a switch: naming it says it is set
+    return f"{flag_name(dest)} {_short(value)}"
+
+
+def _hf_side(dest: str, expected: Any) -> str:
+    hint = ARCH_FLAGS[dest][1] if dest in ARCH_FLAGS else dest
+    if isinstance(expected, bool):
+        return f"the HF config's model is built without it ({hint})"
+    if expected is None:
+        return f"the HF config has none ({'a dense model' if dest.startswith(('moe_', 'num_experts')) else hint})"
+    return f"the HF config gives {expected} ({hint})"
+
+
+def mismatches(v: dict, given: list[str], hf: ModelArch) -> list[str]:
+    """Each given flag that describes another model than `hf`: the flag, its value and the HF config's."""
+    want = hf.to_flags()
+    out = []
+    for dest in given:
+        value = v[dest]
+        if dest in ("group_query_attention", "num_query_groups", "rope_scaling_factor", "moe_layer_freq") \
+                or dest in SIZE_FLAGS:
+            continue  # compared below, as Megatron reads them
+        if not _agree(value, want[dest]):
+            out.append(f"{_shown(dest, value)}: {_hf_side(dest, want[dest])}")
+    if {"group_query_attention", "num_query_groups"} & set(given):
+        gqa = bool(v.get("group_query_attention"))
+        groups = v.get("num_query_groups") if gqa else (v.get("num_attention_heads") or hf.num_attention_heads)
+        if groups != hf.num_query_groups:
+            how = (f"--group-query-attention with --num-query-groups {groups}" if gqa
+                   else f"--num-query-groups {v.get('num_query_groups')} without --group-query-attention (Megatron "
+                        f"then gives every one of the {groups} heads its own key/value)")
+            out.append(f"{how}: the HF config gives {hf.num_query_groups} key/value heads (num_key_value_heads)")
+    if "rope_scaling_factor" in given and (hf.rope_scaling_factor is not None or v.get("use_rope_scaling")):
+        if not _agree(v["rope_scaling_factor"], hf.rope_scaling_factor):
+            hf_side = _hf_side("rope_scaling_factor", hf.rope_scaling_factor)
+            out.append(f"--rope-scaling-factor {v['rope_scaling_factor']}: {hf_side}")
+    if "moe_layer_freq" in given:
+        freq = v["moe_layer_freq"]
+        all_moe = freq == 1 or (isinstance(freq, list) and len(freq) == hf.num_layers and set(freq) == {1})
+        if not (hf.is_moe and all_moe):
+            out.append(f"--moe-layer-freq {_short(freq)}: {_hf_side('moe_layer_freq', 1 if hf.is_moe else None)}")
+    if "seq_length" in given and v["seq_length"] > hf.max_position_embeddings:
+        out.append(f"--seq-length {v['seq_length']}: longer than the HF config's max_position_embeddings "
+                   f"{hf.max_position_embeddings}")
+    if "padded_vocab_size" in given:
+        padded, tp = v["padded_vocab_size"], v.get("tensor_model_parallel_size") or 1
+        if padded < hf.hf_vocab_size:
+            out.append(f"--padded-vocab-size {padded}: smaller than the HF config's vocab_size {hf.hf_vocab_size}")
+        elif padded % tp:
+            out.append(f"--padded-vocab-size {padded}: not a multiple of --tensor-model-parallel-size {tp}")
+    return out
+
+
+def _embedded_arch() -> ModelArch:
+    """The embedded default's model, as it will be built at start-up (relax.models.embedded)."""
+    from relax.models.embedded import EMBEDDED_ARCH  # imports torch: only for the embedded default with flags
+    from relax.models.tiny import build_byte_tokenizer, build_hf_config
+
+    vocab = ((len(build_byte_tokenizer()) + 63) // 64) * 64  # as build_tiny_model_dir rounds it
+    return ModelArch.from_hf_config(build_hf_config(EMBEDDED_ARCH, vocab))
+
+
+def hf_arch(v: dict) -> tuple[Optional[ModelArch], str]:
+    """The model of --hf-checkpoint (or of the embedded default) and how to name it; None when its config
+    cannot be read (the checks before the run report the folder)."""
+    path = v["hf_checkpoint"]
+    embedded = path == embedded_paths(v["output_dir"])[0]
+    where = ("the embedded default model (built when neither --hf-checkpoint nor --prompt-data is given)"
+             if embedded else f"the model of --hf-checkpoint {path}")
+    if embedded and not (Path(path) / "config.json").is_file():
+        return _embedded_arch(), where
+    try:
+        from transformers import AutoConfig  # ~2 s to import: only when architecture flags are given
+
+        hf_config = AutoConfig.from_pretrained(path)
+    except Exception:  # a missing or broken folder: relax.core.preflight names the problem
+        return None, where
+    try:
+        return ModelArch.from_hf_config(hf_config), where
+    except NotImplementedError as exc:
+        raise ConfigError(f"--hf-checkpoint {path}: {exc}, so the architecture flags cannot describe it") from None
+
+
+def check_arch_flags(v: dict, explicit, defaults: Optional[dict] = None) -> None:
+    """Architecture flags the user set must describe the model the run trains (see the module docstring)."""
+    given = user_set_flags(v, explicit, defaults)
+    if not given:
+        return
+    if not v.get("hf_checkpoint"):
+        refuse_without_hf(v, given)
+    hf, where = hf_arch(v)
+    if hf is None:
+        return
+    problems = mismatches(v, given, hf)
+    if problems:
+        fix = ("give --hf-checkpoint with the model these flags describe, or drop them" if "embedded" in where
+               else "source the flag file of this model, or drop the architecture flags (the HF config alone "
+                    "defines the model)")
+        raise ConfigError(f"architecture flags disagree with {where}: " + "; ".join(problems)
+                          + f". The run trains the HF config's model, so the model flag file (the MODEL_ARGS of "
+                            f"the launch script) is probably for another model: {fix}")
+
+
+def refuse_without_hf(v: dict, given: list[str]) -> None:
+    """No HF config: the flags must describe a buildable model, and the run still needs --hf-checkpoint."""
+    try:
+        ModelArch.from_flags(v)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    names = ", ".join(flag_name(d) for d in given)
+    raise ConfigError(f"the architecture flags ({names}) describe the model, but a run also needs --hf-checkpoint: "
+                      "the rollout engines and the prompt tokenizer load the model folder, and a model built from "
+                      "the flags alone has neither. Add --hf-checkpoint with a folder of this model (its config.json "
+                      "is checked against the flags); the weights may still come from --ref-load or --load")
