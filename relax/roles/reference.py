@@ -9,6 +9,9 @@ The on-policy-distillation teacher (`--use-opd --opd-type megatron`) is the same
 weights from `--opd-teacher-load` (`--opd-teacher-ckpt-step`): an HF folder (its own architecture, which may
 differ from the student's but must share its tokenizer) or a Relax checkpoint (the architecture recorded in
 it, else the student's).
+
+The model is the actor's (`relax.backends.megatron.arch.arch_for_run`): the `--hf-checkpoint` config's, or the
+one Megatron's architecture flags describe when there is no HF folder.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import ray
 import torch
 from transformers import AutoConfig
 
-from relax.backends.megatron.arch import ModelArch
+from relax.backends.megatron.arch import ModelArch, arch_for_run
 from relax.backends.megatron.checkpoint_layout import read_meta, resolve_model_checkpoint
 from relax.backends.megatron.trainer import MegatronTrainer
 from relax.data.plane import DataPlane
@@ -53,16 +56,17 @@ class ReferenceWorker(MegatronRank):
         settings = trainer_settings(self.config, forward_only=True)
         if self.role == "teacher":
             kind, where = resolve_model_checkpoint(self.config.opd_teacher_load, self.config.opd_teacher_ckpt_step)
-            arch = _checkpoint_arch(kind, where) or ModelArch.from_hf_config(
-                AutoConfig.from_pretrained(self.config.hf_checkpoint))
+            arch = _checkpoint_arch(kind, where) or arch_for_run(self.config)
             self.trainer = MegatronTrainer(arch, settings)
             source = self.trainer.load_weights(where)
             self.data = DataPlane.attach()
             return {"rank": self.rank, "dp": self.trainer.layout.dp, "source": f"{source} {where}"}
-        arch = ModelArch.from_hf_config(AutoConfig.from_pretrained(self.config.hf_checkpoint))
-        self.trainer = MegatronTrainer(arch, settings)
-        source = "hf"
-        self.trainer.load_hf(self.config.hf_checkpoint)
+        # The actor's model (relax.roles.trainer.TrainerWorker.setup): --ref-update-interval copies its state here.
+        self.trainer = MegatronTrainer(arch_for_run(self.config), settings)
+        source = "random"
+        if self.config.hf_checkpoint:
+            source = "hf"
+            self.trainer.load_hf(self.config.hf_checkpoint)
         if self.config.ref_load:
             source = self.trainer.load_weights(self.config.ref_load, self.config.ref_ckpt_step)
         self.data = DataPlane.attach()

@@ -48,17 +48,16 @@ class TrainerWorker(MegatronRank):
         super().__init__(config, rank, world_size, threads)
 
     def setup(self, master_addr: str, master_port: int, backend: str) -> dict[str, Any]:
-        from transformers import AutoConfig
-
-        from relax.backends.megatron.arch import ModelArch
+        from relax.backends.megatron.arch import arch_for_run
         from relax.backends.megatron.trainer import MegatronTrainer
         from relax.data.plane import DataPlane
 
         self.join_process_group(master_addr, master_port, backend)
-        hf_config = AutoConfig.from_pretrained(self.config.hf_checkpoint)
-        arch = ModelArch.from_hf_config(hf_config)
-        self.trainer = MegatronTrainer(arch, trainer_settings(self.config))
-        self.trainer.load_hf(self.config.hf_checkpoint)
+        # The --hf-checkpoint model (architecture flags given with it were checked to agree before the run), else
+        # the model the architecture flags describe, randomly initialised until --ref-load or --load fills it.
+        self.trainer = MegatronTrainer(arch_for_run(self.config), trainer_settings(self.config))
+        if self.config.hf_checkpoint:
+            self.trainer.load_hf(self.config.hf_checkpoint)
         if self.config.ref_load:  # the actor starts from the reference weights (--load, if any, comes later)
             self.trainer.load_weights(self.config.ref_load, self.config.ref_ckpt_step)
         if self.config.keep_old_actor:  # the engines start from these weights (see push_weights)
