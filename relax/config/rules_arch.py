@@ -84,8 +84,8 @@ ARCH_FLAG_HELP: dict[str, str] = {
     "padded_vocab_size": "Rows of the trainer's embedding and output layer (at least the vocabulary; the extra "
                          "rows never reach the outputs or the engines).",
     "make_vocab_size_divisible_by": "Pad the trainer's vocabulary to a multiple of this times "
-                                    "--tensor-model-parallel-size (unset: to a multiple of the tensor-parallel "
-                                    "size only).",
+                                    "--tensor-model-parallel-size, when set to another value than the default "
+                                    "(at the default it is padded to a multiple of the tensor-parallel size only).",
 }
 
 
@@ -185,8 +185,8 @@ def hf_arch(v: dict) -> tuple[Optional[ModelArch], str]:
     embedded = path == embedded_paths(v["output_dir"])[0]
     where = ("the embedded default model (built when neither --hf-checkpoint nor --prompt-data is given)"
              if embedded else f"the model of --hf-checkpoint {path}")
-    if embedded and not (Path(path) / "config.json").is_file():
-        return _embedded_arch(), where
+    if not (Path(path) / "config.json").is_file():  # not built yet, or a wrong path (preflight names it)
+        return (_embedded_arch() if embedded else None), where
     try:
         from transformers import AutoConfig  # ~2 s to import: only when architecture flags are given
 
