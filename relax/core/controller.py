@@ -132,8 +132,9 @@ class Controller:
             logger.info("rollout: %d engine(s) behind %s", len(self.engine_urls),
                         self._rollout_call("router_url", "router address", None))
         self.metrics = MetricsWriter.from_config(c)
-        if c.load:
-            self._resume(c.load)
+        if c.load:  # bounded like a save: a rank stuck reading the checkpoint ends the run by name
+            run_bounded(lambda: self._resume(c.load), Call("checkpoint", f"resume from {c.load}"),
+                        deadline_s=self.deadlines.train_s, flag=FLAGS["train"])
         self.colocate = ColocateProtocol(c, self.workers, self.engine_urls)
 
     # ------------------------------------------------------------------ the loop
