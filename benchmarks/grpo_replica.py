@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/grpo_replica.py                          # 8 seeds x 100 steps, the preset
     .venv/bin/python benchmarks/grpo_replica.py --seeds 1234 --kl 0.01 --dual-clip 0 --steps 60
+    .venv/bin/python benchmarks/grpo_replica.py --entropy-coef 0.01 --eps-clip-high 0.28
 
 It is not `relax-train` (no Ray, no engine, no Megatron; its own sampling RNG, so a seed's trajectory differs
 from the real run's), but it computes the same objective on the same assets: the embedded model and task
@@ -103,10 +104,11 @@ def run_seed(a, seed: int, workdir: Path) -> dict:
         full = torch.cat([ids, torch.where(mask.bool(), resp, torch.full_like(resp, pad))], 1)
         attn = torch.cat([torch.ones(n_all, plen), mask], 1).long()
 
-        def logp(m, idx):
+        def logp(m, idx, with_entropy=False):
             lg = m(input_ids=full[idx], attention_mask=attn[idx]).logits.float()[:, plen - 1:plen - 1 + width]
             lp = torch.log_softmax(lg / a.temperature, -1)
-            return lp.gather(-1, resp[idx].clamp(min=0)[..., None]).squeeze(-1)
+            picked = lp.gather(-1, resp[idx].clamp(min=0)[..., None]).squeeze(-1)
+            return (picked, -(lp.exp() * lp).sum(-1)) if with_entropy else picked
 
         with torch.no_grad():
             old, ref_lp = logp(model, torch.arange(n_all)), logp(ref, torch.arange(n_all))
@@ -117,14 +119,15 @@ def run_seed(a, seed: int, workdir: Path) -> dict:
             for group in opt.param_groups:
                 group["lr"] = lr_at(it)
             opt.zero_grad()
-            lp, m, adv_k = logp(model, idx), mask[idx], adv[idx][:, None]
+            (lp, ent), m, adv_k = logp(model, idx, with_entropy=True), mask[idx], adv[idx][:, None]
             ratio = torch.exp(lp - old[idx])
-            pg = torch.maximum(-adv_k * ratio, -adv_k * ratio.clamp(1 - a.eps_clip, 1 + a.eps_clip))
+            high = a.eps_clip_high if a.eps_clip_high is not None else a.eps_clip
+            pg = torch.maximum(-adv_k * ratio, -adv_k * ratio.clamp(1 - a.eps_clip, 1 + high))
             if a.dual_clip:
                 pg = torch.where(adv_k < 0, torch.minimum(pg, -a.dual_clip * adv_k), pg)
             x = (lp - ref_lp[idx]).clamp(-20, 20)
             kl = (torch.expm1(-x) + x).clamp(-10, 10)
-            (((pg + a.kl * kl) * m).sum() / m.sum()).backward()
+            (((pg + a.kl * kl - a.entropy_coef * ent) * m).sum() / m.sum()).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             it += 1
@@ -145,6 +148,8 @@ def main() -> int:
     p.add_argument("--steps-per-rollout", type=int, default=4)
     p.add_argument("--kl", type=float, default=0.1)
     p.add_argument("--eps-clip", type=float, default=0.2)
+    p.add_argument("--eps-clip-high", type=float, default=None, help="default: --eps-clip")
+    p.add_argument("--entropy-coef", type=float, default=0.0)
     p.add_argument("--dual-clip", type=float, default=3.0, help="0: off")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--prompts", type=int, default=32)
