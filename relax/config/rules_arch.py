@@ -14,6 +14,7 @@ refused here, after the flags themselves are checked, naming what is missing.
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import Any, Optional
@@ -154,7 +155,7 @@ def mismatches(v: dict, given: list[str], hf: ModelArch) -> list[str]:
             out.append(f"--rope-scaling-factor {v['rope_scaling_factor']}: {hf_side}")
     if "moe_layer_freq" in given:
         freq = v["moe_layer_freq"]
-        all_moe = freq == 1 or (isinstance(freq, list) and len(freq) == hf.num_layers and set(freq) == {1})
+        all_moe = freq == 1 or (isinstance(freq, list) and len(freq) == hf.num_layers and all(f == 1 for f in freq))
         if not (hf.is_moe and all_moe):
             out.append(f"--moe-layer-freq {_short(freq)}: {_hf_side('moe_layer_freq', 1 if hf.is_moe else None)}")
     if "seq_length" in given and v["seq_length"] > hf.max_position_embeddings:
@@ -169,6 +170,7 @@ def mismatches(v: dict, given: list[str], hf: ModelArch) -> list[str]:
     return out
 
 
+@functools.lru_cache(maxsize=1)
 def _embedded_arch() -> ModelArch:
     """The embedded default's model, as it will be built at start-up (relax.models.embedded)."""
     from relax.models.embedded import EMBEDDED_ARCH  # imports torch: only for the embedded default with flags
@@ -197,6 +199,9 @@ def hf_arch(v: dict) -> tuple[Optional[ModelArch], str]:
         return ModelArch.from_hf_config(hf_config), where
     except NotImplementedError as exc:
         raise ConfigError(f"--hf-checkpoint {path}: {exc}, so the architecture flags cannot describe it") from None
+    except (ValueError, TypeError, ArithmeticError, AttributeError) as exc:  # a config.json missing sizes
+        raise ConfigError(f"--hf-checkpoint {path}: its config.json does not describe a model Relax can build "
+                          f"({type(exc).__name__}: {exc}), so the architecture flags cannot be checked") from None
 
 
 def check_arch_flags(v: dict, explicit, defaults: Optional[dict] = None) -> None:

@@ -300,7 +300,7 @@ class ModelArch:
         if experts and not get("qk_layernorm"):
             problems.append("--num-experts needs --qk-layernorm (MoE models are built as Qwen3-MoE)")
         freq = get("moe_layer_freq", 1)
-        if experts and not (freq == 1 or (isinstance(freq, list) and set(freq) == {1})):
+        if experts and not (freq == 1 or (isinstance(freq, list) and all(f == 1 for f in freq))):
             problems.append(f"--moe-layer-freq {freq}: only all-MoE layers are supported")
         if problems:
             raise ValueError("cannot build the model from the architecture flags: " + "; ".join(problems))
