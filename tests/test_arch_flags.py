@@ -9,6 +9,7 @@ from relax.config import ConfigError, parse_config
 from relax.config.explain import write_resolved_config
 from relax.config.rules_arch import ARCH_FLAG_HELP
 from relax.config.support import IMPLEMENTED, require_supported, unsupported_flags
+from relax.config.support_training import ARCH_FEATURES
 
 # A model flag file of the tests' tiny model (qwen2-shaped, relax.models.tiny.TinyArch), written as launch
 # scripts write them.
@@ -173,5 +174,20 @@ def test_every_honoured_architecture_flag_is_a_parser_flag_with_help():
 
     parser, _ = build_parser()
     dests = {a.dest for a in parser._actions}
-    assert set(ARCH_FLAG_HELP) <= dests and set(ARCH_FLAG_HELP) <= IMPLEMENTED
-    assert set(ARCH_FLAGS) <= set(ARCH_FLAG_HELP)
+    assert set(ARCH_FLAG_HELP) == ARCH_FEATURES and ARCH_FEATURES <= dests and ARCH_FEATURES <= IMPLEMENTED
+    assert set(ARCH_FLAGS) - ARCH_FEATURES == {  # features no supported model has: refused when set
+        "squared_relu", "openai_gelu", "quick_geglu", "layernorm_zero_centered_gamma", "qk_l2_norm",
+        "apply_residual_connection_post_layernorm", "attention_output_gate", "multi_latent_attention",
+        "rotary_interleaved", "rotary_seq_len_interpolation_factor", "rotary_percent", "moe_router_score_function",
+        "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
+        "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size"}
+
+
+def test_features_no_supported_model_has_stay_refused_when_the_model_cannot_be_read(prompt_file, tmp_path):
+    # a launch script's --dry-run on another machine: the model path does not exist here
+    config = parse_config(["--hf-checkpoint", str(tmp_path / "absent"), "--prompt-data", prompt_file,
+                           "--rollout-batch-size", "2", "--num-rollout", "2", "--output-dir", str(tmp_path / "out"),
+                           *TINY_MODEL_ARGS, "--rotary-interleaved", "--rotary-percent", "0.5",
+                           "--position-embedding-type", "mrope"])
+    assert unsupported_flags(config) == ["--position-embedding-type mrope", "--rotary-interleaved",
+                                         "--rotary-percent"]

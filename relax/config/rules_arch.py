@@ -26,9 +26,9 @@ from relax.config.support import same_value
 
 
 _CHECKED = " With --hf-checkpoint it must agree with the model's config.json (checked before the run)."
-_OFF = " The supported models (Llama, Qwen2, Qwen3, Qwen3-MoE) do not have it: accepted only when off."
 
-# What each honoured architecture flag means (Megatron's meaning), for `relax-train --help`.
+# What each honoured architecture flag means (Megatron's meaning), for `relax-train --help`: the flags of
+# relax.config.support_training.ARCH_FEATURES. The flags of features no supported model has are not honoured.
 ARCH_FLAG_HELP: dict[str, str] = {
     "num_layers": "Number of transformer layers." + _CHECKED,
     "hidden_size": "Width of the transformer's hidden states." + _CHECKED,
@@ -40,25 +40,14 @@ ARCH_FLAG_HELP: dict[str, str] = {
                         "every head has its own)." + _CHECKED,
     "kv_channels": "Width of each attention head (unset: --hidden-size / --num-attention-heads)." + _CHECKED,
     "swiglu": "Gated SiLU (SwiGLU) MLP." + _CHECKED,
-    "squared_relu": "Squared-ReLU MLP activation." + _OFF,
-    "openai_gelu": "OpenAI's tanh approximation of GeLU." + _OFF,
-    "quick_geglu": "Quick GeGLU MLP activation." + _OFF,
     "normalization": "Normalisation layer type." + _CHECKED,
     "layernorm_epsilon": "Epsilon of the normalisation layers." + _CHECKED,
-    "layernorm_zero_centered_gamma": "Zero-centred normalisation weights (1 + gamma)." + _OFF,
-    "apply_residual_connection_post_layernorm": "Take the residual after the layer norm (post-norm style)." + _OFF,
     "qk_layernorm": "Normalise queries and keys in each attention layer (Qwen3 models)." + _CHECKED,
-    "qk_l2_norm": "L2-normalise queries and keys." + _OFF,
-    "attention_output_gate": "Gate the attention output." + _OFF,
-    "multi_latent_attention": "Multi-latent attention (DeepSeek style)." + _OFF,
     "position_embedding_type": "Kind of position embedding; the supported models use rope." + _CHECKED,
     "use_rotary_position_embeddings": "Rotary position embeddings (older spelling of --position-embedding-type "
                                       "rope)." + _CHECKED,
     "add_position_embedding": "No learned absolute position table (rotary models have none)." + _CHECKED,
     "rotary_base": "Base (theta) of the rotary embedding frequencies." + _CHECKED,
-    "rotary_percent": "Fraction of each head's dimensions that is rotated." + _CHECKED,
-    "rotary_interleaved": "Rotate interleaved pairs of dimensions instead of the two halves." + _OFF,
-    "rotary_seq_len_interpolation_factor": "Linear position interpolation of the rotary embedding." + _OFF,
     "use_rope_scaling": "Llama-3.1-style RoPE frequency scaling." + _CHECKED,
     "rope_scaling_factor": "Factor of the Llama-3.1-style RoPE scaling (used with --use-rope-scaling)." + _CHECKED,
     "max_position_embeddings": "Longest sequence the position embedding is built for (unset: --seq-length)."
@@ -74,12 +63,6 @@ ARCH_FLAG_HELP: dict[str, str] = {
                       "models." + _CHECKED,
     "moe_router_pre_softmax": "Softmax over all experts before choosing the top k (the weights are then not "
                               "renormalised)." + _CHECKED,
-    "moe_router_score_function": "Router score function; the supported models use softmax." + _CHECKED,
-    "moe_router_topk_scaling_factor": "Scale of the routing weights." + _OFF,
-    "moe_router_num_groups": "Expert groups for group-limited routing." + _OFF,
-    "moe_router_group_topk": "Groups each token may be routed to (group-limited routing)." + _OFF,
-    "moe_router_enable_expert_bias": "Per-expert bias in the router (aux-loss-free balancing)." + _OFF,
-    "moe_shared_expert_intermediate_size": "Width of the shared experts' MLP." + _OFF,
     "seq_length": "Longest sequence Megatron trains on. Relax's micro-batches take their lengths from the samples "
                   "(prompt + response); this is checked against the model's max_position_embeddings.",
     "padded_vocab_size": "Rows of the trainer's embedding and output layer (at least the vocabulary; the extra "
@@ -91,7 +74,7 @@ ARCH_FLAG_HELP: dict[str, str] = {
 
 
 def user_set_flags(v: dict, explicit, defaults: Optional[dict] = None) -> list[str]:
-    """The honoured architecture flags the user set to a value other than Megatron's default, in table order."""
+    """The architecture flags the user set to a value other than Megatron's default, in table order."""
     defaults = defaults or {}
     order = list(ARCH_FLAGS) + list(SIZE_FLAGS)
     return [d for d in order if d in explicit and d in v

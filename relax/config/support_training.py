@@ -1,11 +1,12 @@
 """Training-side flags whose features are built (see relax.config.support). Add a dest only with its
 code and test."""
 
-from relax.backends.megatron.arch import ARCH_FLAGS, SIZE_FLAGS
+from relax.backends.megatron.arch import BUILDABLE_FLAGS, SIZE_FLAGS
 
 # Megatron's architecture flags: checked against the --hf-checkpoint config before the run
-# (relax.config.rules_arch), the model is built from that config (tests/test_arch_flags.py).
-ARCH_FEATURES: frozenset[str] = frozenset(ARCH_FLAGS) | frozenset(SIZE_FLAGS)
+# (relax.config.rules_arch), the model is built from that config (tests/test_arch_flags.py). The flags of
+# features no supported model family has (--rotary-interleaved, --qk-l2-norm, ...) stay refused when set.
+ARCH_FEATURES: frozenset[str] = BUILDABLE_FLAGS | frozenset(SIZE_FLAGS)
 
 TRAINING_FEATURES: frozenset[str] = ARCH_FEATURES | frozenset({
     # reference role and KL (tests/test_training_*.py, tests/test_training_e2e.py)
@@ -38,4 +39,7 @@ TRAINING_SUPPORTED_VALUES: dict[str, frozenset] = {
                                       "on_policy_distillation"}),
     "opd_type": frozenset({"megatron", "sglang"}),  # sglang: tests/test_opd_sglang.py
     "loss_type": frozenset({"custom_loss", "sft"}),
+    # the supported model families (relax.backends.megatron.arch): RMSNorm and rotary positions
+    "normalization": frozenset({"RMSNorm"}),
+    "position_embedding_type": frozenset({"rope"}),
 }

@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-__all__ = ["ARCH_FLAGS", "SIZE_FLAGS", "ModelArch", "arch_for_run", "to_transformer_config", "pad_vocab_size"]
+__all__ = ["ARCH_FLAGS", "BUILDABLE_FLAGS", "SIZE_FLAGS", "ModelArch", "arch_for_run", "to_transformer_config", "pad_vocab_size"]
 
 _SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
@@ -88,6 +88,10 @@ _ABSENT_FEATURES: dict[str, Any] = {
     "moe_router_score_function": "softmax", "moe_router_topk_scaling_factor": None, "moe_router_num_groups": None,
     "moe_router_group_topk": None, "moe_router_enable_expert_bias": False, "moe_shared_expert_intermediate_size": None,
 }
+
+# The architecture flags that can take a value other than Megatron's default in a model Relax builds (the others
+# describe features no supported family has, or --rotary-percent, which they keep at 1).
+BUILDABLE_FLAGS: frozenset[str] = frozenset(ARCH_FLAGS) - frozenset(_ABSENT_FEATURES) - {"rotary_percent"}
 
 
 def megatron_default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
