@@ -191,3 +191,17 @@ def test_features_no_supported_model_has_stay_refused_when_the_model_cannot_be_r
                            "--position-embedding-type", "mrope"])
     assert unsupported_flags(config) == ["--position-embedding-type mrope", "--rotary-interleaved",
                                          "--rotary-percent"]
+
+
+def test_a_model_relax_cannot_build_or_read_is_named_when_flags_are_given(prompt_file, tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=2, n_embd=64, n_head=4).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(ConfigError, match=r"--hf-checkpoint .*gpt2: model_type 'gpt2' is not supported, so the "
+                                          "architecture flags cannot describe it"):
+        parse_config(_run(tmp_path / "gpt2", prompt_file, tmp_path, "--num-layers", "2"))
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="transformers cannot read its config.json"):
+        parse_config(_run(tmp_path / "odd", prompt_file, tmp_path, "--num-layers", "2"))
+    parse_config(_run(tmp_path / "odd", prompt_file, tmp_path))  # without architecture flags: not read here

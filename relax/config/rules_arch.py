@@ -163,23 +163,25 @@ def _embedded_arch() -> ModelArch:
     return ModelArch.from_hf_config(build_hf_config(EMBEDDED_ARCH, vocab))
 
 
-def hf_arch(v: dict) -> tuple[Optional[ModelArch], str]:
-    """The model of --hf-checkpoint (or of the embedded default) and how to name it; None when its config
-    cannot be read (the checks before the run report the folder)."""
+def is_embedded_model(v: dict) -> bool:
+    return v["hf_checkpoint"] == embedded_paths(v["output_dir"])[0]
+
+
+def hf_arch(v: dict) -> Optional[ModelArch]:
+    """The model of --hf-checkpoint (or of the embedded default); None when the folder has no config.json (a
+    path of another machine in a --dry-run; a real run's checks before Ray report the folder)."""
     path = v["hf_checkpoint"]
-    embedded = path == embedded_paths(v["output_dir"])[0]
-    where = ("the embedded default model (built when neither --hf-checkpoint nor --prompt-data is given)"
-             if embedded else f"the model of --hf-checkpoint {path}")
-    if not (Path(path) / "config.json").is_file():  # not built yet, or a wrong path (preflight names it)
-        return (_embedded_arch() if embedded else None), where
+    if not (Path(path) / "config.json").is_file():
+        return _embedded_arch() if is_embedded_model(v) else None
     try:
         from transformers import AutoConfig  # ~2 s to import: only when architecture flags are given
 
         hf_config = AutoConfig.from_pretrained(path)
-    except Exception:  # a missing or broken folder: relax.core.preflight names the problem
-        return None, where
+    except Exception as exc:  # the trainer reads the model the same way, so the run could not start either
+        raise ConfigError(f"--hf-checkpoint {path}: transformers cannot read its config.json ({type(exc).__name__}: "
+                          f"{exc}), so the architecture flags cannot be checked against it") from None
     try:
-        return ModelArch.from_hf_config(hf_config), where
+        return ModelArch.from_hf_config(hf_config)
     except NotImplementedError as exc:
         raise ConfigError(f"--hf-checkpoint {path}: {exc}, so the architecture flags cannot describe it") from None
     except (ValueError, TypeError, ArithmeticError, AttributeError) as exc:  # a config.json missing sizes
@@ -194,14 +196,18 @@ def check_arch_flags(v: dict, explicit, defaults: Optional[dict] = None) -> None
         return
     if not v.get("hf_checkpoint"):
         refuse_without_hf(v, given)
-    hf, where = hf_arch(v)
+    hf = hf_arch(v)
     if hf is None:
         return
     problems = mismatches(v, given, hf)
     if problems:
-        fix = ("give --hf-checkpoint with the model these flags describe, or drop them" if "embedded" in where
-               else "source the flag file of this model, or drop the architecture flags (the HF config alone "
-                    "defines the model)")
+        if is_embedded_model(v):
+            where = "the embedded default model (built when neither --hf-checkpoint nor --prompt-data is given)"
+            fix = "give --hf-checkpoint with the model these flags describe, or drop them"
+        else:
+            where = f"the model of --hf-checkpoint {v['hf_checkpoint']}"
+            fix = ("source the flag file of this model, or drop the architecture flags (the HF config alone defines "
+                   "the model)")
         raise ConfigError(f"architecture flags disagree with {where}: " + "; ".join(problems)
                           + f". The run trains the HF config's model, so the model flag file (the MODEL_ARGS of "
                             f"the launch script) is probably for another model: {fix}")
