@@ -95,8 +95,10 @@ def test_moe_flags_that_agree_are_accepted_and_build_the_same_model(moe_model, p
     assert unsupported_flags(config) == []
     hf = ModelArch.from_hf_config(AutoConfig.from_pretrained(moe_model))
     assert hf.is_moe and ModelArch.from_flags(config) == hf
-    with pytest.raises(ConfigError, match="--moe-router-topk 8: the HF config gives 2"):
-        parse_config(_run(moe_model, prompt_file, tmp_path, "--moe-router-topk", "8"))
+    with pytest.raises(ConfigError, match="--moe-router-topk 8: the HF config gives 2") as exc:
+        parse_config(_run(moe_model, prompt_file, tmp_path, "--moe-router-topk", "8",
+                          "--moe-shared-expert-intermediate-size", "64"))
+    assert "--moe-shared-expert-intermediate-size 64: the HF config has none (no shared expert)" in str(exc.value)
 
 
 def test_from_flags_equals_from_hf_config_for_the_same_shape(tiny_model, prompt_file, tmp_path):

@@ -104,12 +104,13 @@ def _shown(dest: str, value: Any) -> str:
     return f"{flag_name(dest)} {_short(value)}"
 
 
-def _hf_side(dest: str, expected: Any) -> str:
+def _hf_side(dest: str, expected: Any, hf: ModelArch) -> str:
     hint = ARCH_FLAGS[dest][1] if dest in ARCH_FLAGS else dest
     if isinstance(expected, bool):
         return f"the HF config's model is built without it ({hint})"
     if expected is None:
-        return f"the HF config has none ({'a dense model' if dest.startswith(('moe_', 'num_experts')) else hint})"
+        dense = not hf.is_moe and dest.startswith(("moe_", "num_experts"))
+        return f"the HF config has none ({'a dense model' if dense else hint})"
     return f"the HF config gives {expected} ({hint})"
 
 
@@ -123,7 +124,7 @@ def mismatches(v: dict, given: list[str], hf: ModelArch) -> list[str]:
                 or dest in SIZE_FLAGS:
             continue  # compared below, as Megatron reads them
         if not _agree(value, want[dest]):
-            out.append(f"{_shown(dest, value)}: {_hf_side(dest, want[dest])}")
+            out.append(f"{_shown(dest, value)}: {_hf_side(dest, want[dest], hf)}")
     if {"group_query_attention", "num_query_groups"} & set(given):
         gqa = bool(v.get("group_query_attention"))
         groups = v.get("num_query_groups") if gqa else (v.get("num_attention_heads") or hf.num_attention_heads)
@@ -134,13 +135,14 @@ def mismatches(v: dict, given: list[str], hf: ModelArch) -> list[str]:
             out.append(f"{how}: the HF config gives {hf.num_query_groups} key/value heads (num_key_value_heads)")
     if "rope_scaling_factor" in given and (hf.rope_scaling_factor is not None or v.get("use_rope_scaling")):
         if not _agree(v["rope_scaling_factor"], hf.rope_scaling_factor):
-            hf_side = _hf_side("rope_scaling_factor", hf.rope_scaling_factor)
+            hf_side = _hf_side("rope_scaling_factor", hf.rope_scaling_factor, hf)
             out.append(f"--rope-scaling-factor {v['rope_scaling_factor']}: {hf_side}")
     if "moe_layer_freq" in given:
         freq = v["moe_layer_freq"]
         all_moe = freq == 1 or (isinstance(freq, list) and len(freq) == hf.num_layers and all(f == 1 for f in freq))
         if not (hf.is_moe and all_moe):
-            out.append(f"--moe-layer-freq {_short(freq)}: {_hf_side('moe_layer_freq', 1 if hf.is_moe else None)}")
+            hf_side = _hf_side("moe_layer_freq", 1 if hf.is_moe else None, hf)
+            out.append(f"--moe-layer-freq {_short(freq)}: {hf_side}")
     if "seq_length" in given and v["seq_length"] > hf.max_position_embeddings:
         out.append(f"--seq-length {v['seq_length']}: longer than the HF config's max_position_embeddings "
                    f"{hf.max_position_embeddings}")

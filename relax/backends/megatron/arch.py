@@ -16,54 +16,55 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-__all__ = ["ARCH_FLAGS", "BUILDABLE_FLAGS", "SIZE_FLAGS", "ModelArch", "arch_for_run", "to_transformer_config", "pad_vocab_size"]
+__all__ = ["ARCH_FLAGS", "BUILDABLE_FLAGS", "SIZE_FLAGS", "ModelArch", "arch_for_run", "to_transformer_config",
+           "pad_vocab_size"]
 
 _SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 # Megatron's architecture flags (argparse dest -> (flag, where an HF config states the same fact)). These are
 # the flags of the Megatron parser that decide the shape of the model Relax builds; `ModelArch.to_flags` gives
-# their values for a model, `ModelArch.from_flags` builds a model from them. The flags of features the model
-# families above do not have (post-layernorm residuals, zero-centred norms, other activations, MLA, shared
-# experts, grouped routing, ...) are listed with the value that means "off".
+# their values for a model, `ModelArch.from_flags` builds a model from them. It includes the flags of features
+# the families above do not have (other activations, zero-centred norms, MLA, shared experts, grouped routing,
+# ...): `_ABSENT_FEATURES` holds the value that leaves each off.
 ARCH_FLAGS: dict[str, tuple[str, str]] = {
     "num_layers": ("--num-layers", "num_hidden_layers"),
     "hidden_size": ("--hidden-size", "hidden_size"),
     "ffn_hidden_size": ("--ffn-hidden-size", "intermediate_size"),
     "num_attention_heads": ("--num-attention-heads", "num_attention_heads"),
-    "group_query_attention": ("--group-query-attention", "num_key_value_heads below num_attention_heads"),
+    "group_query_attention": ("--group-query-attention", "num_key_value_heads"),
     "num_query_groups": ("--num-query-groups", "num_key_value_heads"),
     "kv_channels": ("--kv-channels", "head_dim, else hidden_size / num_attention_heads"),
-    "swiglu": ("--swiglu", "hidden_act silu with a gated MLP"),
+    "swiglu": ("--swiglu", "hidden_act silu, gated MLP"),
     "squared_relu": ("--squared-relu", "hidden_act"),
     "openai_gelu": ("--openai-gelu", "hidden_act"),
     "quick_geglu": ("--quick-geglu", "hidden_act"),
     "normalization": ("--normalization", "RMSNorm in every supported model"),
     "layernorm_epsilon": ("--norm-epsilon", "rms_norm_eps"),
-    "layernorm_zero_centered_gamma": ("--apply-layernorm-1p", "plain RMSNorm weights"),
-    "apply_residual_connection_post_layernorm": ("--apply-residual-connection-post-layernorm", "pre-norm layers"),
+    "layernorm_zero_centered_gamma": ("--apply-layernorm-1p", "the supported Llama/Qwen models have none"),
+    "apply_residual_connection_post_layernorm": ("--apply-residual-connection-post-layernorm", "pre-norm models"),
     "qk_layernorm": ("--qk-layernorm", "model_type qwen3 / qwen3_moe (q_norm, k_norm)"),
-    "qk_l2_norm": ("--qk-l2-norm", "no L2 QK norm"),
-    "attention_output_gate": ("--attention-output-gate", "no attention output gate"),
-    "multi_latent_attention": ("--multi-latent-attention", "standard attention"),
+    "qk_l2_norm": ("--qk-l2-norm", "the supported Llama/Qwen models have none"),
+    "attention_output_gate": ("--attention-output-gate", "the supported Llama/Qwen models have none"),
+    "multi_latent_attention": ("--multi-latent-attention", "the supported Llama/Qwen models have none"),
     "position_embedding_type": ("--position-embedding-type", "RoPE"),
     "use_rotary_position_embeddings": ("--use-rotary-position-embeddings", "RoPE"),
     "add_position_embedding": ("--no-position-embedding", "no learned position table (RoPE)"),
     "rotary_base": ("--rotary-base", "rope_theta"),
     "rotary_percent": ("--rotary-percent", "RoPE on the whole head"),
-    "rotary_interleaved": ("--rotary-interleaved", "half-split RoPE"),
+    "rotary_interleaved": ("--rotary-interleaved", "half-split RoPE in Llama/Qwen models"),
     "rotary_seq_len_interpolation_factor": ("--rotary-seq-len-interpolation-factor", "rope_scaling"),
     "use_rope_scaling": ("--use-rope-scaling", "rope_scaling of rope_type llama3"),
     "rope_scaling_factor": ("--rope-scaling-factor", "rope_scaling.factor"),
     "max_position_embeddings": ("--max-position-embeddings", "max_position_embeddings"),
-    "untie_embeddings_and_output_weights": ("--untie-embeddings-and-output-weights", "tie_word_embeddings false"),
-    "add_bias_linear": ("--disable-bias-linear", "no biases in the linear layers (mlp_bias false)"),
+    "untie_embeddings_and_output_weights": ("--untie-embeddings-and-output-weights", "tie_word_embeddings"),
+    "add_bias_linear": ("--disable-bias-linear", "mlp_bias; Llama/Qwen models have no linear biases"),
     "add_qkv_bias": ("--add-qkv-bias", "QKV biases: model_type qwen2, or attention_bias"),
     "vocab_size": ("--vocab-size", "vocab_size"),
     "num_experts": ("--num-experts", "num_experts"),
     "moe_ffn_hidden_size": ("--moe-ffn-hidden-size", "moe_intermediate_size"),
     "moe_router_topk": ("--moe-router-topk", "num_experts_per_tok"),
     "moe_layer_freq": ("--moe-layer-freq", "every layer MoE (decoder_sparse_step 1, no mlp_only_layers)"),
-    "moe_router_pre_softmax": ("--moe-router-pre-softmax", "norm_topk_prob false"),
+    "moe_router_pre_softmax": ("--moe-router-pre-softmax", "norm_topk_prob: true means top-k, then softmax"),
     "moe_router_score_function": ("--moe-router-score-function", "softmax routing"),
     "moe_router_topk_scaling_factor": ("--moe-router-topk-scaling-factor", "no routing-weight scale"),
     "moe_router_num_groups": ("--moe-router-num-groups", "no grouped routing"),
