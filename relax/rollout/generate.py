@@ -273,17 +273,18 @@ async def generate_one(session: aiohttp.ClientSession, url: str, sample: Sample,
     reply = await call_engine(session, url, sample.prompt_tokens + done, params, rid=rid, timeout_s=timeout_s,
                               retries=retries, what=sample.describe(),
                               extra=extra)
+    if done:  # the reply continues the earlier partial response
+        mask = list(sample.loss_mask) if len(sample.loss_mask) == len(done) else [1] * len(done)
+        sample.response_tokens = done + reply.tokens
+        sample.response_logprobs = list(sample.response_logprobs) + reply.logprobs
+        sample.loss_mask = mask + [1] * len(reply.tokens)
+        sample.response_text = sample.response_text + reply.text
+        sample.status = reply.status
+        sample.weight_version = reply.weight_version
+    else:
+        _fill_fresh(sample, reply)
     if return_routed_experts:
         _keep_routes(sample, reply, len(sample.prompt_tokens) + len(done))
-    mask = list(sample.loss_mask) if done else []
-    if done and len(mask) != len(done):
-        mask = [1] * len(done)
-    sample.response_tokens = done + reply.tokens
-    sample.response_logprobs = (list(sample.response_logprobs) if done else []) + reply.logprobs
-    sample.loss_mask = mask + [1] * len(reply.tokens)
-    sample.response_text = (sample.response_text if done else "") + reply.text
-    sample.status = reply.status
-    sample.weight_version = reply.weight_version
     return sample
 
 
