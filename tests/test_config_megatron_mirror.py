@@ -139,7 +139,9 @@ def test_mirror_parser_behaves_like_megatron(megatron_path):
     theirs = json.loads(proc.stdout)
     from relax.config import parse_config
 
-    cfg = parse_config(argv + ["--output-dir", "/tmp/relax-mirror"], use_megatron_parser=False)
+    # a model folder of its own: without one the embedded default's tiny model would disagree with these flags
+    cfg = parse_config(argv + ["--hf-checkpoint", "/nonexistent-model", "--output-dir", "/tmp/relax-mirror"],
+                       use_megatron_parser=False)
     mine = {k: (list(cfg[k]) if isinstance(cfg[k], tuple) else cfg[k]) for k in theirs}
     assert mine == theirs
 

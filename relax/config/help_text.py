@@ -15,12 +15,14 @@ import json
 from typing import Any
 
 from relax.config.presets import EMBEDDED_PRESET, PRESET_NOTES
+from relax.config.rules_arch import ARCH_FLAG_HELP
 from relax.config.support import IMPLEMENTED, SUPPORTED_VALUES, is_sglang_server_flag, same_value
 from relax.config.validate import DERIVED_FROM
 
 # What each Megatron flag that Relax honours controls, in Relax's terms (the flags in
 # relax.config.support.IMPLEMENTED that come from Megatron's parser; a test keeps the two in step).
 MEGATRON_HELP: dict[str, str] = {
+    **ARCH_FLAG_HELP,
     "adam_beta1": "Adam's first-moment decay rate (beta1) of the trainer's optimizer.",
     "adam_beta2": "Adam's second-moment decay rate (beta2) of the trainer's optimizer.",
     "adam_eps": "Adam's epsilon, added to the denominator for numerical stability.",
