@@ -3,5 +3,5 @@ MODEL_ARGS=(
    --num-attention-heads 32 --group-query-attention --num-query-groups 8
    --use-rotary-position-embeddings --disable-bias-linear --normalization "RMSNorm"
    --norm-epsilon 1e-6 --rotary-base 1000000 --vocab-size 151936 --kv-channels 128
-   --qk-layernorm --untie-embeddings-and-output-weights
+   --qk-layernorm
 )
