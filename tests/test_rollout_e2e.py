@@ -92,7 +92,10 @@ def test_save_then_replay_reproduces_the_step_and_rollout_only(assets, monkeypat
     assert pre["eval/before_train"] == 1.0 and pre["eval/tiny/num_samples"] == 4.0 and "eval/tiny/pass@2" in pre
     assert step["eval/tiny/num_samples"] == 4.0 and step["custom/eval_sets"] == 1.0
     assert step["rollout/num_samples"] == 4.0 and step["data/step_samples"] == 4.0
-    assert step["rollout/filtered_groups/odd_prompt"] >= 1 and step["custom/saw_filter_metric"] == 1.0
+    # The odd prompt's group is filtered, or, when the two even groups finish first (request timing), returned
+    # unfinished to the data source; either way it is accounted for and never trained.
+    assert step.get("rollout/filtered_groups/odd_prompt", 0) + step["rollout/returned_groups"] >= 1, step
+    assert step["custom/saw_filter_metric"] == 1.0
     assert step["custom/num_samples"] == 4.0 and "rollout/pass@2" in step
     rows = [json.loads(x) for x in open(saved.format(rollout_id=0))]
     assert rows[0]["num_samples"] == 4 and all(r["metadata"]["postprocessed"] for r in rows[1:])
