@@ -398,9 +398,10 @@ def to_transformer_config(
 ):
     """A Megatron `TransformerConfig` for `arch` under the given parallel layout.
 
-    Dropout is off (RL post-training); fusions that need CUDA kernels are off;
-    `overrides` are passed to `TransformerConfig` last; `params_dtype` is float32
-    unless given (or set by `bf16`/`fp16`). With
+    Dropout is off unless `overrides` set `hidden_dropout` / `attention_dropout` (RL post-training trains
+    without it); fusions that need CUDA kernels are off; `overrides` are passed to `TransformerConfig` last
+    (recompute, dropout and attention backend come that way: relax.backends.megatron.layer_options);
+    `params_dtype` is float32 unless given (or set by `bf16`/`fp16`). With
     `use_cpu_initialization` the random init is computed unsplit on the CPU, so
     it is identical for every TP size (slow for large models on GPU).
     """
@@ -463,7 +464,7 @@ def to_transformer_config(
         deterministic_mode=deterministic_mode,
         recompute_granularity=recompute_granularity,
     )
-    if recompute_granularity == "full":
+    if recompute_granularity == "full":  # every layer, one at a time, unless `overrides` say otherwise
         kwargs.update(recompute_method="uniform", recompute_num_layers=1)
     if arch.is_moe:
         kwargs.update(

@@ -36,6 +36,7 @@ from relax.backends.megatron.hf_weights import (
     load_hf_weights,
     unwrap_model,
 )
+from relax.backends.megatron.layer_options import layer_fields, recompute_granularity, uses_te
 from relax.backends.megatron.logprobs import token_logprobs
 from relax.backends.megatron.model import build_gpt_model
 from relax.backends.megatron.optim import build_optimizer, build_scheduler, wrap_ddp
@@ -71,7 +72,15 @@ class TrainerSettings:
     micro_batch_size: int = 1
     logprob_chunk_size: Optional[int] = None
     sequence_parallel: bool = False
-    recompute_activations: bool = False
+    recompute_activations: bool = False  # full recompute, one layer at a time (older switch)
+    # Megatron-core's activation recompute, dropout and attention backend (relax.backends.megatron.layer_options).
+    recompute_granularity: Optional[str] = None  # full | selective
+    recompute_method: Optional[str] = None  # uniform | block (full only)
+    recompute_num_layers: Optional[int] = None  # full only
+    recompute_modules: Optional[tuple[str, ...]] = None  # selective only; Megatron's default: core_attn
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    attention_backend: str = "auto"  # flash | fused (Transformer Engine) | unfused | local | auto
     use_te: Optional[bool] = None
     pad_token_id: int = 0
     # Forward-only (reference / teacher): no DDP grad buffers, optimizer or scheduler.
@@ -209,11 +218,11 @@ class MegatronTrainer:
             bf16=settings.bf16,
             fp16=settings.fp16,
             sequence_parallel=settings.sequence_parallel,
-            recompute_granularity="full" if settings.recompute_activations else None,
             use_cpu_initialization=compute_device().type == "cpu",
+            **layer_fields(settings, uses_te(settings)),
             **self._routing_replay_overrides(arch, settings),
         )
-        gpt = build_gpt_model(arch, self.config, settings.use_te, value_head=settings.value_head,
+        gpt = build_gpt_model(arch, self.config, uses_te(settings), value_head=settings.value_head,
                               value_head_seed=settings.seed)
         self.frozen_names: set[str] = set()
         if settings.forward_only:
@@ -274,7 +283,7 @@ class MegatronTrainer:
 
         if not arch.is_moe:
             raise ValueError("routing replay needs an MoE model (this one is dense)")
-        why = replay_supported(settings.pp, settings.recompute_activations,
+        why = replay_supported(settings.pp, recompute_granularity(settings) is not None,
                               settings.sequence_parallel and settings.tp > 1, settings.cp)
         if why:
             raise NotImplementedError(why)

@@ -1,0 +1,99 @@
+"""Activation recompute, dropout and attention backend of a `MegatronTrainer`, as Megatron-core's own
+`TransformerConfig` fields.
+
+Megatron-core implements all three; this module only turns `TrainerSettings` into those fields and refuses
+the combinations Megatron cannot run here. The command-line checks, with flag names, are in
+`relax.config.rules_recompute` and run before Ray; the checks here guard direct users of the trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from megatron.core.transformer.enums import AttnBackend
+
+from relax.backends.megatron.model import te_available
+from relax.config.rules_recompute import TE_FALLBACK
+
+logger = logging.getLogger(__name__)
+
+# Backends that need Transformer Engine's attention kernels on a GPU (TEDotProductAttention). The local layer
+# spec, used on CPU, has one attention: Megatron's own unfused DotProductAttention ("local").
+TE_ATTENTION_BACKENDS = frozenset({"flash", "fused"})
+ATTENTION_BACKENDS = frozenset({"flash", "fused", "unfused", "local", "auto"})
+
+
+def recompute_granularity(settings: Any) -> Optional[str]:
+    """`settings.recompute_granularity`, else "full" for the older `recompute_activations` switch."""
+    if settings.recompute_granularity:
+        return settings.recompute_granularity
+    return "full" if settings.recompute_activations else None
+
+
+def recompute_fields(settings: Any, te: bool) -> dict[str, Any]:
+    """TransformerConfig recompute fields. Megatron validates them again in `TransformerConfig.__post_init__`;
+    `te`: whether the model uses Transformer Engine's layer spec."""
+    granularity = recompute_granularity(settings)
+    if granularity is None:
+        if settings.recompute_method or settings.recompute_num_layers or settings.recompute_modules:
+            raise ValueError("recompute_method / recompute_num_layers / recompute_modules need a "
+                             "recompute_granularity")
+        return {}
+    out: dict[str, Any] = {"recompute_granularity": granularity}
+    if granularity == "full":
+        # The older switch recomputes every layer one at a time (uniform, 1); explicit settings win.
+        out["recompute_method"] = settings.recompute_method or "uniform"
+        out["recompute_num_layers"] = settings.recompute_num_layers or 1
+    elif settings.recompute_method or settings.recompute_num_layers:
+        raise ValueError("selective recompute takes recompute_modules, not recompute_method / recompute_num_layers")
+    if settings.recompute_modules and "layernorm" in settings.recompute_modules and not te:
+        # CheckpointWithoutOutput (norm recompute) takes its fp8 path whatever fp8 is (megatron-core 0.16), and
+        # that path calls Transformer Engine.
+        raise ValueError("recompute module 'layernorm' needs Transformer Engine (megatron-core's "
+                         "CheckpointWithoutOutput calls it); this model uses the local layer spec")
+    if settings.recompute_modules:
+        out["recompute_modules"] = list(settings.recompute_modules)
+    return out
+
+
+def attention_backend(name: str, te: bool):
+    """Megatron's `AttnBackend` for `name`; `te`: whether the model uses Transformer Engine's layer spec.
+
+    Megatron uses the field only to pick Transformer Engine's kernels, through the process-wide NVTE_FLASH_ATTN /
+    NVTE_FUSED_ATTN / NVTE_UNFUSED_ATTN variables, and asserts that every model of a process agrees on them.
+    Without Transformer Engine the local layer spec has one attention (Megatron's unfused DotProductAttention),
+    which every backend then runs (flash and fused with a warning: they are Transformer Engine's GPU kernels);
+    the field then stays Megatron's default, auto, so that models built in one process (actor, reference,
+    tests) never disagree over variables nothing reads.
+    """
+    name = getattr(name, "name", name)  # Megatron's own parser gives the enum
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend {name!r} is not one of {sorted(ATTENTION_BACKENDS)}")
+    if name in TE_ATTENTION_BACKENDS and not te:
+        # The kernel is a speed choice; the local spec's attention computes the same function (see the docstring).
+        logger.warning(TE_FALLBACK, name)
+    return AttnBackend[name] if te else AttnBackend.auto
+
+
+def uses_te(settings: Any) -> bool:
+    """Whether the model gets Transformer Engine's layer spec: `settings.use_te`, else when CUDA and TE are
+    present; never with the "local" attention backend, which is Megatron's own (Megatron asks for
+    `--spec local` with it)."""
+    if getattr(settings.attention_backend, "name", settings.attention_backend) == "local":
+        return False
+    return te_available() if settings.use_te is None else bool(settings.use_te)
+
+
+def layer_fields(settings: Any, te: bool) -> dict[str, Any]:
+    """Every TransformerConfig field this module owns, for `to_transformer_config(**fields)`."""
+    for name in ("hidden_dropout", "attention_dropout"):
+        p = getattr(settings, name)
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {p}")
+    return {
+        **recompute_fields(settings, te),
+        "hidden_dropout": float(settings.hidden_dropout),
+        "attention_dropout": float(settings.attention_dropout),
+        "attention_backend": attention_backend(settings.attention_backend, te),
+    }
