@@ -23,6 +23,33 @@ from relax.config.validate import DERIVED_FROM
 # relax.config.support.IMPLEMENTED that come from Megatron's parser; a test keeps the two in step).
 MEGATRON_HELP: dict[str, str] = {
     **ARCH_FLAG_HELP,
+    "accumulate_allreduce_grads_in_fp32": "Accumulate and all-reduce gradients in fp32. The trainer always does "
+                                          "(unlike Megatron, which does so by default only with --bf16).",
+    "attention_backend": "Attention implementation: flash and fused are Transformer Engine's GPU kernels (without "
+                         "CUDA and transformer_engine the trainer warns and runs Megatron's own attention, the same "
+                         "computation); local is Megatron's own unfused attention (with Megatron's local layer "
+                         "spec); unfused is Transformer Engine's unfused attention on GPU, Megatron's own on CPU; "
+                         "auto lets Transformer Engine choose on GPU and is Megatron's own attention on CPU.",
+    "attention_dropout": "Dropout probability of the attention probabilities in training passes (log-prob passes "
+                         "run without dropout). Relax uses 0 unless this flag is given; Megatron's own default is "
+                         "0.1.",
+    "attention_softmax_in_fp32": "Run attention masking and softmax in fp32. The trainer always does, also without "
+                                 "this flag (unlike Megatron, which otherwise uses the bf16/fp16 compute dtype).",
+    "hidden_dropout": "Dropout probability of the transformer hidden states in training passes (log-prob passes run "
+                      "without dropout). Relax uses 0 unless this flag is given; Megatron's own default is 0.1.",
+    "recompute_activations": "Recompute activations in backward instead of keeping them: Megatron's shorthand for "
+                             "--recompute-granularity selective.",
+    "recompute_granularity": "Activation recompute (Megatron-core's): full recomputes whole transformer layers "
+                             "(needs --recompute-method and --recompute-num-layers); selective recomputes the "
+                             "submodules of --recompute-modules. Same loss and gradients, less activation memory.",
+    "recompute_method": "Which layers full recompute covers: uniform splits each pipeline stage's layers into "
+                        "chunks of --recompute-num-layers and recomputes every chunk; block recomputes the first "
+                        "--recompute-num-layers layers of each stage only.",
+    "recompute_modules": "Submodules selective recompute recomputes: core_attn (Megatron's default), layernorm, mlp, "
+                         "moe, shared_experts (layernorm needs Transformer Engine on a GPU; mla_up_proj and moe_act "
+                         "need features the trainer's models lack).",
+    "recompute_num_layers": "Layers per recompute chunk (--recompute-method uniform) or layers recomputed per "
+                            "pipeline stage (block); full recompute only.",
     "adam_beta1": "Adam's first-moment decay rate (beta1) of the trainer's optimizer.",
     "adam_beta2": "Adam's second-moment decay rate (beta2) of the trainer's optimizer.",
     "adam_eps": "Adam's epsilon, added to the denominator for numerical stability.",

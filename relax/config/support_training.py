@@ -31,6 +31,12 @@ TRAINING_FEATURES: frozenset[str] = ARCH_FEATURES | frozenset({
     "use_routing_replay",
     # rollout routing replay, R3 (tests/test_rollout_routing_replay.py)
     "use_rollout_routing_replay",
+    # Megatron-core's activation recompute (relax.backends.megatron.layer_options; tests/test_megatron_recompute.py)
+    "recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules", "recompute_activations",
+    # dropout, attention kernels and precision (tests/test_megatron_precision_flags.py). The trainer always runs
+    # the attention softmax and the gradient all-reduce in fp32, which is what these two switches ask for.
+    "hidden_dropout", "attention_dropout", "attention_backend", "attention_softmax_in_fp32",
+    "accumulate_allreduce_grads_in_fp32",
 })
 
 # Values of flags whose other values are not built yet (merge into relax.config.support.SUPPORTED_VALUES):

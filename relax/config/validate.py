@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
-from relax.config import rules_arch, rules_rollout, rules_training
+from relax.config import rules_arch, rules_recompute, rules_rollout, rules_training
 from relax.config.errors import ConfigError
 from relax.config.presets import apply_embedded_default
 from relax.config.sglang import owned_flag_error, resolve_backend
@@ -68,6 +68,7 @@ def validate_and_derive(values: dict[str, Any], explicit: frozenset[str],
         if not (embedded and rule is check_data):  # the embedded data is created at start-up
             rule(v, explicit)
     rules_arch.check_arch_flags(v, explicit, defaults)
+    rules_recompute.check(v, explicit)
     derive(v, explicit)
     for rule in POST_DERIVE_RULES + tuple(rules_rollout.POST_DERIVE_RULES):
         rule(v, explicit)

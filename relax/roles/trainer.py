@@ -17,8 +17,12 @@ logger = logging.getLogger(__name__)
 
 def trainer_settings(config: Any, *, forward_only: bool = False):
     from relax.backends.megatron.trainer import TrainerSettings
+    from relax.config.rules_recompute import dropout
 
     dynamic = bool(config.use_dynamic_batch_size)
+    # Megatron: --recompute-activations is --recompute-granularity selective (checked in rules_recompute).
+    granularity = config.recompute_granularity or ("selective" if config.recompute_activations else None)
+    backend = getattr(config.attention_backend, "name", config.attention_backend)  # an enum from Megatron's parser
     return TrainerSettings(
         forward_only=forward_only,
         trainable_params=tuple(config.only_train_params_name_list or ()) if not forward_only else (),
@@ -37,6 +41,13 @@ def trainer_settings(config: Any, *, forward_only: bool = False):
         logprob_chunk_size=None if config.log_probs_chunk_size in (None, -1) else config.log_probs_chunk_size,
         recompute_loss_function=bool(config.recompute_loss_function) and not forward_only,
         routing_replay=bool(config.use_routing_replay) and not forward_only,
+        # Forward-only roles run without autograd: recompute has nothing to save there.
+        recompute_granularity=None if forward_only else granularity,
+        recompute_method=None if forward_only else config.recompute_method,
+        recompute_num_layers=None if forward_only else config.recompute_num_layers,
+        recompute_modules=None if forward_only or not config.recompute_modules else tuple(config.recompute_modules),
+        hidden_dropout=dropout(config, "hidden_dropout"), attention_dropout=dropout(config, "attention_dropout"),
+        attention_backend=backend,
     )
 
 
