@@ -2,7 +2,9 @@
 embedded engine behind sglang-router, TransferQueue): the format-warm-started tiny model answers a digit
 uniformly; every prompt's label is 7, so the reward starts near chance (0.1) and a working estimator, loss
 and weight sync must move it up within 8 steps of 64 samples. A KL loss to the warm start keeps the answer
-format (without it the policy drifts off the format at this learning rate). ppo trains its critic alongside.
+format (without it the policy drifts off the format at this learning rate), and 4 warm-up iterations keep the
+first update small (the head-only warm start collapses in one full-rate update: relax.models.embedded). ppo
+trains its critic alongside.
 Runs are deterministic (per-sample sampling seeds), so the thresholds do not depend on machine load."""
 
 import json
@@ -33,7 +35,7 @@ def test_estimator_raises_the_reward(assets, estimator):
         "--input-key", "input", "--label-key", "label", "--apply-chat-template", "--rm-type", "exact_match",
         "--rollout-batch-size", "8", "--n-samples-per-prompt", "8", "--num-rollout", "8",
         "--num-steps-per-rollout", "2", "--rollout-max-response-len", "4", "--lr", "1e-3",
-        "--lr-decay-style", "constant", "--micro-batch-size", "8", "--rollout-shuffle",
+        "--lr-decay-style", "constant", "--lr-warmup-iters", "4", "--micro-batch-size", "8", "--rollout-shuffle",
         "--use-kl-loss", "--kl-loss-coef", "0.05", "--kl-loss-type", "low_var_kl",
         "--advantage-estimator", estimator, "--resource", '{"actor": [1, 1], "rollout": [1, 1]}',
         "--distributed-backend", "gloo", "--output-dir", str(assets / estimator)])
