@@ -45,6 +45,7 @@ def _config(*flags: str, tmp="/tmp/relax-recompute-test"):
       "--recompute-modules", "mlp"], ["--recompute-modules", "selective"]),
     (["--recompute-granularity", "selective", "--recompute-modules", "moe_act"], ["moe_act", "--moe-grouped-gemm"]),
     (["--recompute-granularity", "selective", "--recompute-modules", "attn"], ["attn", "core_attn"]),
+    (["--recompute-granularity", "selective", "--recompute-modules", "shared_experts"], ["shared expert"]),
     # megatron-core 0.16's norm recompute calls Transformer Engine (absent on CPU)
     (["--recompute-granularity", "selective", "--recompute-modules", "layernorm"], ["layernorm", "Transformer Engine"]),
     (["--recompute-activations", "--recompute-granularity", "full", "--recompute-method", "uniform",
@@ -142,3 +143,21 @@ def test_logprob_passes_do_not_recompute(model_dir):
                   recompute_num_layers=1)[0].compute_logprobs(samples)
     for a, b in zip(base, other):
         torch.testing.assert_close(a, b)
+
+
+def test_moe_layers_recompute_to_the_same_result(tmp_path):
+    """Selective recompute of the MoE layer (Megatron's "moe" module) on a tiny Qwen3-MoE model."""
+    from relax.backends.megatron.testing import build_random_tiny_moe_model
+
+    path = build_random_tiny_moe_model(tmp_path / "moe", seed=2)
+    _, base_metrics, base_grads, _, _ = _step(path)
+    trainer, metrics, grads, _, _ = _step(path, recompute_granularity="selective", recompute_modules=("moe",))
+    assert trainer.config.recompute_modules == ["moe"]
+    assert metrics["loss"] == pytest.approx(base_metrics["loss"], rel=1e-5, abs=1e-6)
+    for n in grads:
+        torch.testing.assert_close(grads[n], base_grads[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_moe_recompute_of_a_dense_model_is_refused(model_dir):
+    with pytest.raises(ValueError, match="dense"):
+        _step(model_dir, recompute_granularity="selective", recompute_modules=("moe",))

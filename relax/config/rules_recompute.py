@@ -16,11 +16,13 @@ from relax.config.errors import ConfigError
 logger = logging.getLogger("relax")
 
 # Selective recompute modules the models Relax builds have (relax.backends.megatron.arch): no multi-latent
-# attention (mla_up_proj) and no grouped-GEMM experts (moe_act needs --moe-grouped-gemm).
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "shared_experts")
+# attention (mla_up_proj), no grouped-GEMM experts (moe_act needs --moe-grouped-gemm) and no shared expert.
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe")
 NOT_BUILT_MODULES = {
     "mla_up_proj": "needs multi-latent attention, which no supported model family has",
     "moe_act": "needs --moe-grouped-gemm, which the trainer does not use (its experts are separate linear layers)",
+    "shared_experts": "needs a shared expert (--moe-shared-expert-intermediate-size), which no supported model "
+                      "family has",
 }
 # Attention backends that are Transformer Engine's GPU kernels (flash attention, cuDNN fused attention).
 TE_ATTENTION_BACKENDS = ("flash", "fused")
@@ -80,7 +82,7 @@ def check_recompute(v: dict, explicit) -> None:
             raise ConfigError("--recompute-modules layernorm: Megatron-core recomputes norms with its "
                               "CheckpointWithoutOutput, which (megatron-core 0.16) calls Transformer Engine even "
                               "without fp8; this machine has no CUDA device or no transformer_engine. Drop layernorm "
-                              "(core_attn, mlp, moe and shared_experts run here)")
+                              "(core_attn, mlp and moe run here)")
         if module in NOT_BUILT_MODULES:
             raise ConfigError(f"--recompute-modules {module}: {NOT_BUILT_MODULES[module]}")
         if module not in RECOMPUTE_MODULES:

@@ -31,9 +31,9 @@ def recompute_granularity(settings: Any) -> Optional[str]:
     return "full" if settings.recompute_activations else None
 
 
-def recompute_fields(settings: Any, te: bool) -> dict[str, Any]:
+def recompute_fields(settings: Any, te: bool, is_moe: bool) -> dict[str, Any]:
     """TransformerConfig recompute fields. Megatron validates them again in `TransformerConfig.__post_init__`;
-    `te`: whether the model uses Transformer Engine's layer spec."""
+    `te`: whether the model uses Transformer Engine's layer spec; `is_moe`: whether it has expert layers."""
     granularity = recompute_granularity(settings)
     if granularity is None:
         if settings.recompute_method or settings.recompute_num_layers or settings.recompute_modules:
@@ -52,6 +52,10 @@ def recompute_fields(settings: Any, te: bool) -> dict[str, Any]:
         # that path calls Transformer Engine.
         raise ValueError("recompute module 'layernorm' needs Transformer Engine (megatron-core's "
                          "CheckpointWithoutOutput calls it); this model uses the local layer spec")
+    if settings.recompute_modules and "moe" in settings.recompute_modules and not is_moe:
+        # Megatron would silently recompute nothing: say so instead (the model comes from the HF config, so the
+        # command-line check cannot know).
+        raise ValueError("recompute module 'moe' needs an MoE model; this one is dense (use mlp)")
     if settings.recompute_modules:
         out["recompute_modules"] = list(settings.recompute_modules)
     return out
@@ -85,14 +89,14 @@ def uses_te(settings: Any) -> bool:
     return te_available() if settings.use_te is None else bool(settings.use_te)
 
 
-def layer_fields(settings: Any, te: bool) -> dict[str, Any]:
+def layer_fields(settings: Any, te: bool, is_moe: bool = False) -> dict[str, Any]:
     """Every TransformerConfig field this module owns, for `to_transformer_config(**fields)`."""
     for name in ("hidden_dropout", "attention_dropout"):
         p = getattr(settings, name)
         if not 0.0 <= p < 1.0:
             raise ValueError(f"{name} must be in [0, 1), got {p}")
     return {
-        **recompute_fields(settings, te),
+        **recompute_fields(settings, te, is_moe),
         "hidden_dropout": float(settings.hidden_dropout),
         "attention_dropout": float(settings.attention_dropout),
         "attention_backend": attention_backend(settings.attention_backend, te),

@@ -219,7 +219,7 @@ class MegatronTrainer:
             fp16=settings.fp16,
             sequence_parallel=settings.sequence_parallel,
             use_cpu_initialization=compute_device().type == "cpu",
-            **layer_fields(settings, uses_te(settings)),
+            **layer_fields(settings, uses_te(settings), arch.is_moe),
             **self._routing_replay_overrides(arch, settings),
         )
         gpt = build_gpt_model(arch, self.config, uses_te(settings), value_head=settings.value_head,
