@@ -48,6 +48,8 @@ def _config(*flags: str, tmp="/tmp/relax-recompute-test"):
     (["--recompute-granularity", "selective", "--recompute-modules", "shared_experts"], ["shared expert"]),
     # megatron-core 0.16's norm recompute calls Transformer Engine (absent on CPU)
     (["--recompute-granularity", "selective", "--recompute-modules", "layernorm"], ["layernorm", "Transformer Engine"]),
+    (["--use-routing-replay", "--recompute-granularity", "selective", "--pipeline-model-parallel-size", "2",
+      "--resource", '{"actor": [1, 2]}'], ["routing replay", "--recompute-granularity", "--pipeline-model-parallel"]),
     (["--recompute-activations", "--recompute-granularity", "full", "--recompute-method", "uniform",
       "--recompute-num-layers", "1"], ["--recompute-activations", "selective"]),
 ])
