@@ -14,13 +14,12 @@ from typing import Any, Optional
 from megatron.core.transformer.enums import AttnBackend
 
 from relax.backends.megatron.model import te_available
-from relax.config.rules_recompute import TE_FALLBACK
+from relax.config.rules_recompute import TE_ATTENTION_BACKENDS, TE_FALLBACK
 
 logger = logging.getLogger(__name__)
 
-# Backends that need Transformer Engine's attention kernels on a GPU (TEDotProductAttention). The local layer
-# spec, used on CPU, has one attention: Megatron's own unfused DotProductAttention ("local").
-TE_ATTENTION_BACKENDS = frozenset({"flash", "fused"})
+# TE_ATTENTION_BACKENDS need Transformer Engine's attention kernels on a GPU (TEDotProductAttention). The local
+# layer spec, used on CPU, has one attention: Megatron's own unfused DotProductAttention ("local").
 ATTENTION_BACKENDS = frozenset({"flash", "fused", "unfused", "local", "auto"})
 
 
