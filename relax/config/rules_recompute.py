@@ -36,7 +36,8 @@ def _name(value: Any) -> Any:
 
 
 def check_recompute(v: dict, explicit) -> None:
-    granularity, method, layers = v.get("recompute_granularity"), v.get("recompute_method"), v.get("recompute_num_layers")
+    granularity, method = v.get("recompute_granularity"), v.get("recompute_method")
+    layers = v.get("recompute_num_layers")
     modules = v.get("recompute_modules")
     if v.get("recompute_activations"):
         # Megatron: --recompute-activations is shorthand for --recompute-granularity selective.
@@ -73,7 +74,8 @@ def check_recompute(v: dict, explicit) -> None:
         return
     # selective
     if method is not None or layers is not None:
-        given = [f for f, val in (("--recompute-method", method), ("--recompute-num-layers", layers)) if val is not None]
+        given = [f for f, val in (("--recompute-method", method), ("--recompute-num-layers", layers))
+                 if val is not None]
         raise ConfigError(f"--recompute-granularity selective does not take {' or '.join(given)} (Megatron's rule: "
                           "selective recompute picks submodules with --recompute-modules); drop them, or use "
                           "--recompute-granularity full")
