@@ -31,12 +31,13 @@ MEGATRON_HELP: dict[str, str] = {
                          "spec); unfused is Transformer Engine's unfused attention on GPU, Megatron's own on CPU; "
                          "auto lets Transformer Engine choose on GPU and is Megatron's own attention on CPU.",
     "attention_dropout": "Dropout probability of the attention probabilities in training passes (log-prob passes "
-                         "run without dropout). Relax uses 0 unless this flag is given; Megatron's own default is "
-                         "0.1.",
+                         "run without dropout). Relax's default is 0, Megatron's 0.1: RL updates should see the "
+                         "log-probs the rollout saw.",
     "attention_softmax_in_fp32": "Run attention masking and softmax in fp32. The trainer always does, also without "
                                  "this flag (unlike Megatron, which otherwise uses the bf16/fp16 compute dtype).",
     "hidden_dropout": "Dropout probability of the transformer hidden states in training passes (log-prob passes run "
-                      "without dropout). Relax uses 0 unless this flag is given; Megatron's own default is 0.1.",
+                      "without dropout). Relax's default is 0, Megatron's 0.1: RL updates should see the log-probs "
+                      "the rollout saw.",
     "recompute_activations": "Recompute activations in backward instead of keeping them: Megatron's shorthand for "
                              "--recompute-granularity selective.",
     "recompute_granularity": "Activation recompute (Megatron-core's): full recomputes whole transformer layers "

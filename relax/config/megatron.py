@@ -13,6 +13,9 @@ RELAX_DEFAULT_OVERRIDES = {
     "micro_batch_size": 1,
     "expert_tensor_parallel_size": 1,
     "no_save_optim": False,
+    # RL fine-tuning trains without dropout (log-probs of the update must match the rollout's); Megatron's 0.1
+    "hidden_dropout": 0.0,
+    "attention_dropout": 0.0,
 }
 
 

@@ -116,14 +116,10 @@ def check_dropout_and_kernels(v: dict, explicit) -> None:
 
 # Relax trains without dropout unless a dropout flag is given (RL compares training-pass log-probs with the
 # rollout's; dropout would make them differ). Megatron's own default is 0.1.
-RELAX_DROPOUT = 0.0
-
-
 def dropout(config: Any, dest: str) -> float:
-    """The dropout probability the trainer uses for `dest` (hidden_dropout or attention_dropout): the flag's
-    value when the user gave it, else `RELAX_DROPOUT`. Gated on the user's choice because the parser default
-    is Megatron's 0.1 unless relax.config.megatron.RELAX_DEFAULT_OVERRIDES sets Relax's 0."""
-    return float(config[dest]) if dest in config.explicit else RELAX_DROPOUT
+    """The dropout probability the trainer uses for `dest` (hidden_dropout or attention_dropout). Relax's
+    default is 0 (relax.config.megatron.RELAX_DEFAULT_OVERRIDES), Megatron's 0.1."""
+    return float(config[dest])
 
 
 def check(v: dict, explicit) -> None:
