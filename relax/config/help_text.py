@@ -38,6 +38,9 @@ MEGATRON_HELP: dict[str, str] = {
     "hidden_dropout": "Dropout probability of the transformer hidden states in training passes (log-prob passes run "
                       "without dropout). Relax's default is 0, Megatron's 0.1: RL updates should see the log-probs "
                       "the rollout saw.",
+    "sequence_parallel": "With --tensor-model-parallel-size > 1, split the sequence over the tensor-parallel ranks "
+                         "between the linear layers (norms, dropout), as Megatron does; without tensor parallelism "
+                         "it does nothing.",
     "recompute_activations": "Recompute activations in backward instead of keeping them: Megatron's shorthand for "
                              "--recompute-granularity selective.",
     "recompute_granularity": "Activation recompute (Megatron-core's): full recomputes whole transformer layers "

@@ -163,5 +163,15 @@ def check_opd_sglang(v: dict, explicit) -> None:
                           "rewards there too; pick another --rm-type or --opd-type megatron")
 
 
+def check_sequence_parallel(v: dict, explicit) -> None:
+    """--sequence-parallel splits the sequence over the tensor-parallel ranks; as in Megatron it does nothing
+    without tensor parallelism (the trainer then runs without it)."""
+    if not v.get("sequence_parallel") or (v.get("tensor_model_parallel_size") or 1) == 1:
+        return
+    if v.get("advantage_estimator") == "ppo":
+        raise ConfigError("--sequence-parallel with --advantage-estimator ppo: the critic's value head is not built "
+                          "for sequence parallelism yet; drop --sequence-parallel or use another estimator")
+
+
 RULES: tuple = (check_reference, check_corrections, check_critic, check_opd, check_train_data, check_old_policy,
-                 check_routing_replay, check_opd_sglang)
+                 check_routing_replay, check_opd_sglang, check_sequence_parallel)

@@ -37,6 +37,9 @@ TRAINING_FEATURES: frozenset[str] = ARCH_FEATURES | frozenset({
     # the attention softmax and the gradient all-reduce in fp32, which is what these two switches ask for.
     "hidden_dropout", "attention_dropout", "attention_backend", "attention_softmax_in_fp32",
     "accumulate_allreduce_grads_in_fp32",
+    # sequence parallelism with tensor parallelism (relax.backends.megatron.sequence_parallel;
+    # tests/test_megatron_sequence_parallel.py)
+    "sequence_parallel",
 })
 
 # Values of flags whose other values are not built yet (merge into relax.config.support.SUPPORTED_VALUES):

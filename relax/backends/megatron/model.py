@@ -13,6 +13,7 @@ import torch
 
 from relax.backends.megatron.arch import ModelArch
 from relax.backends.megatron.cpu_compat import apply_cpu_compat, compute_device
+from relax.backends.megatron.sequence_parallel import block_spec
 
 __all__ = ["build_gpt_model", "te_available", "layer_spec", "ValueHead", "is_value_head_param"]
 
@@ -104,7 +105,8 @@ def build_gpt_model(
         post_process = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     model = GPTModel(
         config=transformer_config,
-        transformer_layer_spec=layer_spec(arch, use_te),
+        transformer_layer_spec=(block_spec(layer_spec(arch, use_te), transformer_config, vp_stage)
+                                if transformer_config.sequence_parallel and not use_te else layer_spec(arch, use_te)),
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
