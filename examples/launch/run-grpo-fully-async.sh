@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Fully asynchronous GRPO on two 8-GPU nodes: trainer and engines on separate GPUs, bounded staleness.
 # Usage: MODEL=qwen3-30B-A3B bash examples/launch/run-grpo-fully-async.sh [extra flags...]
+# (EP=1 for a dense model: expert parallelism needs experts)
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 MODEL="${MODEL:-qwen3-30B-A3B}"
@@ -17,7 +18,7 @@ ROLLOUT_ARGS=(--prompt-data "$DATA" --input-key prompt --label-key label --apply
               --num-steps-per-rollout 2)
 ASYNC_ARGS=(--fully-async --max-staleness 2 --num-data-storage-units 4
             --resource '{"actor": [1, 8], "rollout": [1, 8]}')
-PERF_ARGS=(--tensor-model-parallel-size 4 --sequence-parallel --expert-model-parallel-size 8
+PERF_ARGS=(--tensor-model-parallel-size 4 --sequence-parallel --expert-model-parallel-size "${EP:-8}"
            --expert-tensor-parallel-size 1 --recompute-granularity full --recompute-method uniform
            --recompute-num-layers 1 --use-dynamic-batch-size --max-tokens-per-gpu 16384
            --optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d --use-precision-aware-optimizer)

@@ -38,6 +38,9 @@ MEGATRON_HELP: dict[str, str] = {
     "hidden_dropout": "Dropout probability of the transformer hidden states in training passes (log-prob passes run "
                       "without dropout). Relax's default is 0, Megatron's 0.1: RL updates should see the log-probs "
                       "the rollout saw.",
+    "expert_model_parallel_size": "Split each MoE layer's experts over this many trainer ranks (Megatron's expert "
+                                  "parallelism); it must divide the expert count and the trainer ranks per "
+                                  "pipeline stage. Weight pushes gather the full experts for the engines.",
     "sequence_parallel": "With --tensor-model-parallel-size > 1, split the sequence over the tensor-parallel ranks "
                          "between the linear layers (norms, dropout), as Megatron does; without tensor parallelism "
                          "it does nothing.",

@@ -173,5 +173,29 @@ def check_sequence_parallel(v: dict, explicit) -> None:
                           "for sequence parallelism yet; drop --sequence-parallel or use another estimator")
 
 
+def check_expert_parallel(v: dict, explicit) -> None:
+    """--expert-model-parallel-size splits each MoE layer's experts over ranks: the model needs experts, a count
+    the split divides, and trainer ranks that hold whole expert groups at every pipeline stage (Megatron's
+    expert-data-parallel layout: ranks / (expert-tensor x expert x pipeline parallel))."""
+    ep = v.get("expert_model_parallel_size") or 1
+    if ep == 1:
+        return
+    experts = v.get("num_experts") or (_hf_num_experts(v["hf_checkpoint"]) if v.get("hf_checkpoint") else None)
+    if experts is None:  # no readable model here (a launch script's --dry-run on another machine): checked at start
+        return
+    if experts == 0:
+        raise ConfigError(f"--expert-model-parallel-size {ep} splits experts, but the model is dense "
+                          f"(--hf-checkpoint {v.get('hf_checkpoint')} has no experts); use 1 or an MoE model")
+    if experts % ep:
+        raise ConfigError(f"--expert-model-parallel-size {ep} must divide the model's {experts} experts")
+    replicas, gpus = (v.get("resource") or {}).get("actor", [1, 1])  # the default: one trainer rank
+    etp = v.get("expert_tensor_parallel_size") or 1
+    block = etp * ep * (v.get("pipeline_model_parallel_size") or 1)
+    if (replicas * gpus) % block:
+        raise ConfigError(f"--resource actor has {replicas * gpus} trainer ranks, not divisible by "
+                          f"--expert-tensor-parallel-size x --expert-model-parallel-size x "
+                          f"--pipeline-model-parallel-size = {block}")
+
+
 RULES: tuple = (check_reference, check_corrections, check_critic, check_opd, check_train_data, check_old_policy,
-                 check_routing_replay, check_opd_sglang, check_sequence_parallel)
+                 check_routing_replay, check_opd_sglang, check_sequence_parallel, check_expert_parallel)

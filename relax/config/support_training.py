@@ -40,6 +40,8 @@ TRAINING_FEATURES: frozenset[str] = ARCH_FEATURES | frozenset({
     # sequence parallelism with tensor parallelism (relax.backends.megatron.sequence_parallel;
     # tests/test_megatron_sequence_parallel.py)
     "sequence_parallel",
+    # expert parallelism of MoE models (tests/test_megatron_moe.py: EP 2 against EP 1; tests/test_expert_parallel_e2e.py)
+    "expert_model_parallel_size",
 })
 
 # Values of flags whose other values are not built yet (merge into relax.config.support.SUPPORTED_VALUES):
