@@ -4,7 +4,7 @@ import pytest
 
 from conftest import relax_cli
 from relax.config import ConfigError, parse_config
-from relax.config.support import unsupported_flags
+from relax.config.support import no_effect_flags, unsupported_flags
 
 
 def err(argv):
@@ -116,9 +116,22 @@ def test_sglang_passthrough_and_typed():
     assert cfg.sglang_enable_foo is True
     assert cfg.sglang_cuda_graph_bs == [1, 2, 4]
     flagged = unsupported_flags(cfg)
-    # the embedded engine would ignore SGLang server flags: refused, naming the backend that honours them
+    # the embedded engine would ignore SGLang server flags: one that could change the samples is refused, naming
+    # the backend that honours it; one that only sizes or speeds up SGLang servers is accepted with a warning
     assert any(f.startswith("--sglang-some-new-flag (an SGLang server flag") for f in flagged), flagged
-    assert any(f.startswith("--sglang-mem-fraction-static (") for f in flagged), flagged
+    assert not any(f.startswith(("--sglang-mem-fraction-static", "--sglang-cuda-graph-bs")) for f in flagged)
+    assert no_effect_flags(cfg) == ["--sglang-cuda-graph-bs", "--sglang-mem-fraction-static"]
+
+
+def test_sglang_resource_flags_warn_on_the_embedded_engine(tmp_path, prompt_file):
+    # a missing model folder stops the run before Ray, after the warning
+    proc = relax_cli("--sglang-mem-fraction-static", "0.7", "--hf-checkpoint", str(tmp_path / "no-model"),
+                     "--prompt-data", prompt_file, "--rollout-batch-size", "1", "--num-rollout", "1",
+                     "--output-dir", str(tmp_path))
+    assert "relax-train: warning: --sglang-mem-fraction-static: no effect with the embedded engine" in proc.stderr
+    proc = relax_cli("--dry-run", "--sglang-mem-fraction-static", "0.7", "--output-dir", str(tmp_path))
+    assert proc.returncode == 0 and "accepted, --sglang-mem-fraction-static: no effect" in proc.stdout
+    assert proc.stdout.splitlines()[-1] == "every flag you set is supported"
 
 
 def test_sglang_server_flags_are_honoured_with_sglang_engines():

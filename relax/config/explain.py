@@ -10,7 +10,7 @@ import yaml
 
 from relax.config.config import Config
 from relax.config.redact import redact_values
-from relax.config.support import unsupported_flags
+from relax.config.support import no_effect_flags, no_effect_warning, unsupported_flags
 
 # Not written to the resolved YAML: they describe this invocation, not the run.
 _NOT_PERSISTED = {"dry_run", "custom_config_path"}
@@ -91,7 +91,10 @@ def explain(config: Config) -> str:
     out.append("")
     out.extend(batch_arithmetic(config))
     missing = unsupported_flags(config)
+    ignored = no_effect_flags(config)
     out.append("")
+    if ignored:
+        out.append("accepted, " + no_effect_warning(ignored))
     if missing:
         out.append("not supported yet (a real run stops before starting Ray): " + ", ".join(missing))
     else:

@@ -76,6 +76,33 @@ for _dest, _values in TRAINING_SUPPORTED_VALUES.items():
     SUPPORTED_VALUES[_dest] = SUPPORTED_VALUES.get(_dest, frozenset()) | frozenset(_values)
 
 
+# SGLang server flags that only size or speed up an SGLang server (GPU memory, CUDA graphs, compilation, its
+# internal data/expert parallelism, logging): the same samples come out without them. Launch scripts pass them
+# unchanged; with the embedded engine (the CPU backend) they are accepted and have no effect, with a warning
+# (`no_effect_flags`). Every other SGLang server flag with the embedded engine is refused: it could change what
+# the engine generates.
+SGLANG_RESOURCE_FLAGS: frozenset[str] = frozenset({
+    "sglang_mem_fraction_static", "sglang_cuda_graph_bs", "sglang_cuda_graph_max_bs", "sglang_disable_cuda_graph",
+    "sglang_enable_torch_compile", "sglang_chunked_prefill_size", "sglang_dp_size", "sglang_ep_size",
+    "sglang_enable_dp_attention", "sglang_moe_a2a_backend", "sglang_enable_memory_saver", "sglang_log_level",
+})
+
+
+def no_effect_flags(config: Config) -> list[str]:
+    """SGLang resource flags the user set while the engines are not SGLang servers (as --flag names)."""
+    if uses_sglang_engines(config):
+        return []
+    defaults = config.meta.get("defaults", {})
+    names = config.meta.get("flag_names", {})
+    return [names.get(dest, "--" + dest.replace("_", "-")) for dest in sorted(config.explicit)
+            if dest in SGLANG_RESOURCE_FLAGS and not (dest in defaults and same_value(config[dest], defaults[dest]))]
+
+
+def no_effect_warning(flags: list[str]) -> str:
+    return (f"{', '.join(flags)}: no effect with the embedded engine (rollout backend embedded); "
+            "these size or speed up SGLang servers and apply with --rollout-backend sglang")
+
+
 def unsupported_flags(config: Config, implemented: frozenset[str] = IMPLEMENTED) -> list[str]:
     """Flags the user set to a non-default value whose feature is not built yet (as --flag names)."""
     defaults = config.meta.get("defaults", {})
@@ -91,8 +118,8 @@ def unsupported_flags(config: Config, implemented: frozenset[str] = IMPLEMENTED)
         if is_sglang_server_flag(dest):
             if sglang_engines is None:
                 sglang_engines = uses_sglang_engines(config)
-            if sglang_engines:
-                continue  # forwarded to every SGLang server (relax.roles.rollout.engine_server_args)
+            if sglang_engines or dest in SGLANG_RESOURCE_FLAGS:
+                continue  # forwarded to every SGLang server (relax.roles.rollout.engine_server_args), or no effect
             out.append(f"{name} (an SGLang server flag: honoured only with --rollout-backend sglang)")
             continue
         out.append(f"{name} {config[dest]}" if dest in SUPPORTED_VALUES else name)

@@ -8,7 +8,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     from relax.config import ConfigError, parse_config
     from relax.config.explain import explain
-    from relax.config.support import require_supported
+    from relax.config.support import no_effect_flags, no_effect_warning, require_supported
 
     try:
         config = parse_config(argv)
@@ -16,6 +16,9 @@ def main(argv: list[str] | None = None) -> int:
             print(explain(config))
             return 0
         require_supported(config)
+        ignored = no_effect_flags(config)
+        if ignored:
+            print(f"relax-train: warning: {no_effect_warning(ignored)}", file=sys.stderr)
     except ConfigError as exc:
         print(f"relax-train: error: {exc}", file=sys.stderr)
         return 2
