@@ -41,6 +41,11 @@ MEGATRON_HELP: dict[str, str] = {
     "expert_model_parallel_size": "Split each MoE layer's experts over this many trainer ranks (Megatron's expert "
                                   "parallelism); it must divide the expert count and the trainer ranks per "
                                   "pipeline stage. Weight pushes gather the full experts for the engines.",
+    "moe_router_dtype": "Precision of the MoE router's logits and softmax (fp32 or fp64); unset: the model's "
+                        "compute dtype. Only for models with experts.",
+    "moe_token_dispatcher_type": "How MoE tokens reach their experts' ranks. Relax's default and only choice is "
+                                 "alltoall (Megatron's default is allgather): the trainer's micro-batches vary in "
+                                 "length, which the all-to-all dispatcher handles.",
     "sequence_parallel": "With --tensor-model-parallel-size > 1, split the sequence over the tensor-parallel ranks "
                          "between the linear layers (norms, dropout), as Megatron does; without tensor parallelism "
                          "it does nothing.",

@@ -16,6 +16,8 @@ RELAX_DEFAULT_OVERRIDES = {
     # RL fine-tuning trains without dropout (log-probs of the update must match the rollout's); Megatron's 0.1
     "hidden_dropout": 0.0,
     "attention_dropout": 0.0,
+    # the trainer's micro-batches vary in length, which only the all-to-all dispatcher handles (Megatron: allgather)
+    "moe_token_dispatcher_type": "alltoall",
 }
 
 

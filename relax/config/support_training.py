@@ -42,6 +42,8 @@ TRAINING_FEATURES: frozenset[str] = ARCH_FEATURES | frozenset({
     "sequence_parallel",
     # expert parallelism of MoE models (tests/test_megatron_moe.py: EP 2 against EP 1; tests/test_expert_parallel_e2e.py)
     "expert_model_parallel_size",
+    # the MoE router's dtype and token dispatcher (tests/test_megatron_moe_flags.py)
+    "moe_router_dtype", "moe_token_dispatcher_type",
 })
 
 # Values of flags whose other values are not built yet (merge into relax.config.support.SUPPORTED_VALUES):
@@ -53,4 +55,6 @@ TRAINING_SUPPORTED_VALUES: dict[str, frozenset] = {
     # the supported model families (relax.backends.megatron.arch): RMSNorm and rotary positions
     "normalization": frozenset({"RMSNorm"}),
     "position_embedding_type": frozenset({"rope"}),
+    # micro-batches of varying length: only the all-to-all dispatcher (relax.backends.megatron.arch)
+    "moe_token_dispatcher_type": frozenset({"alltoall"}),
 }

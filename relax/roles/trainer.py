@@ -48,7 +48,7 @@ def trainer_settings(config: Any, *, forward_only: bool = False):
         recompute_num_layers=None if forward_only else config.recompute_num_layers,
         recompute_modules=None if forward_only or not config.recompute_modules else tuple(config.recompute_modules),
         hidden_dropout=dropout(config, "hidden_dropout"), attention_dropout=dropout(config, "attention_dropout"),
-        attention_backend=backend,
+        attention_backend=backend, moe_router_dtype=config.moe_router_dtype,
     )
 
 

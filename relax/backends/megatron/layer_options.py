@@ -89,13 +89,16 @@ def uses_te(settings: Any) -> bool:
 
 
 def layer_fields(settings: Any, te: bool, is_moe: bool = False) -> dict[str, Any]:
-    """Every TransformerConfig field this module owns, for `to_transformer_config(**fields)`."""
+    """Every TransformerConfig field this module owns, for `to_transformer_config(**fields)` (the MoE router's
+    dtype only for models with experts)."""
     for name in ("hidden_dropout", "attention_dropout"):
         p = getattr(settings, name)
         if not 0.0 <= p < 1.0:
             raise ValueError(f"{name} must be in [0, 1), got {p}")
+    router = {"moe_router_dtype": settings.moe_router_dtype} if is_moe and settings.moe_router_dtype else {}
     return {
         **recompute_fields(settings, te, is_moe),
+        **router,
         "hidden_dropout": float(settings.hidden_dropout),
         "attention_dropout": float(settings.attention_dropout),
         "attention_backend": attention_backend(settings.attention_backend, te),

@@ -81,6 +81,7 @@ class TrainerSettings:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     attention_backend: str = "auto"  # flash | fused (Transformer Engine) | unfused | local | auto
+    moe_router_dtype: Optional[str] = None  # fp32 | fp64: the router's logits and softmax (MoE models)
     use_te: Optional[bool] = None
     pad_token_id: int = 0
     # Forward-only (reference / teacher): no DDP grad buffers, optimizer or scheduler.
