@@ -46,6 +46,9 @@ MEGATRON_HELP: dict[str, str] = {
     "moe_token_dispatcher_type": "How MoE tokens reach their experts' ranks. Relax's default and only choice is "
                                  "alltoall (Megatron's default is allgather): the trainer's micro-batches vary in "
                                  "length, which the all-to-all dispatcher handles.",
+    "optimizer": "The trainer's optimizer, built by Megatron: adam (AdamW, decoupled weight decay) or sgd (with "
+                 "--sgd-momentum). muon, dist_muon and lion need a newer Megatron than the installed one.",
+    "sgd_momentum": "Momentum of --optimizer sgd.",
     "sequence_parallel": "With --tensor-model-parallel-size > 1, split the sequence over the tensor-parallel ranks "
                          "between the linear layers (norms, dropout), as Megatron does; without tensor parallelism "
                          "it does nothing.",

@@ -44,6 +44,8 @@ TRAINING_FEATURES: frozenset[str] = ARCH_FEATURES | frozenset({
     "expert_model_parallel_size",
     # the MoE router's dtype and token dispatcher (tests/test_megatron_moe_flags.py)
     "moe_router_dtype", "moe_token_dispatcher_type",
+    # the optimizer Megatron builds (tests/test_megatron_optimizer_choice.py)
+    "optimizer", "sgd_momentum",
 })
 
 # Values of flags whose other values are not built yet (merge into relax.config.support.SUPPORTED_VALUES):
@@ -57,4 +59,6 @@ TRAINING_SUPPORTED_VALUES: dict[str, frozenset] = {
     "position_embedding_type": frozenset({"rope"}),
     # micro-batches of varying length: only the all-to-all dispatcher (relax.backends.megatron.arch)
     "moe_token_dispatcher_type": frozenset({"alltoall"}),
+    # megatron-core 0.16's get_megatron_optimizer builds adam and sgd; muon and lion need a newer Megatron
+    "optimizer": frozenset({"adam", "sgd"}),
 }

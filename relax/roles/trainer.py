@@ -36,6 +36,7 @@ def trainer_settings(config: Any, *, forward_only: bool = False):
         lr_decay_style=config.lr_decay_style, lr_warmup_iters=config.lr_warmup_iters or 0,
         lr_decay_iters=config.lr_decay_iters, weight_decay=config.weight_decay,
         adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, adam_eps=config.adam_eps,
+        optimizer=config.optimizer, sgd_momentum=config.sgd_momentum,
         clip_grad=config.clip_grad, seed=config.seed, bf16=bool(config.bf16), fp16=bool(config.fp16),
         use_distributed_optimizer=bool(config.use_distributed_optimizer),
         micro_batch_size=config.micro_batch_size,

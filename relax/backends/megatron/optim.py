@@ -49,12 +49,16 @@ def build_optimizer(
     fp16: bool,
     use_distributed_optimizer: bool,
     initial_loss_scale: float = 2.0**16,
+    optimizer: str = "adam",
+    sgd_momentum: float = 0.9,
 ):
-    """`get_megatron_optimizer` with Adam(W); sets the config's loss-scale hook."""
+    """`get_megatron_optimizer` with `optimizer` (adam: AdamW with decoupled weight decay, as Megatron; sgd:
+    SGD with `sgd_momentum`); sets the config's loss-scale hook."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = OptimizerConfig(
-        optimizer="adam",
+        optimizer=optimizer,
+        sgd_momentum=sgd_momentum,
         lr=lr,
         min_lr=min_lr,
         weight_decay=weight_decay,

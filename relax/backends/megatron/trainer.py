@@ -64,6 +64,8 @@ class TrainerSettings:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
+    optimizer: str = "adam"  # adam | sgd: Megatron's get_megatron_optimizer
+    sgd_momentum: float = 0.9
     clip_grad: float = 1.0
     seed: int = 1234
     bf16: bool = False
@@ -257,6 +259,8 @@ class MegatronTrainer:
             adam_beta1=settings.adam_beta1,
             adam_beta2=settings.adam_beta2,
             adam_eps=settings.adam_eps,
+            optimizer=settings.optimizer,
+            sgd_momentum=settings.sgd_momentum,
             clip_grad=settings.clip_grad,
             bf16=settings.bf16,
             fp16=settings.fp16,
