@@ -11,6 +11,7 @@ import yaml
 from relax.config.config import Config
 from relax.config.redact import redact_values
 from relax.config.support import no_effect_flags, no_effect_warning, unsupported_flags
+from relax.config.support_gpu import gpu_only_flags
 
 # Not written to the resolved YAML: they describe this invocation, not the run.
 _NOT_PERSISTED = {"dry_run", "custom_config_path"}
@@ -95,6 +96,9 @@ def explain(config: Config) -> str:
     out.append("")
     if ignored:
         out.append("accepted, " + no_effect_warning(ignored))
+    gpu_only = gpu_only_flags(config)
+    if gpu_only:
+        out.append("needs a GPU (a run on a machine without one stops before Ray): " + "; ".join(gpu_only))
     if missing:
         out.append("not supported yet (a real run stops before starting Ray): " + ", ".join(missing))
     else:

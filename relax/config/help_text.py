@@ -46,6 +46,14 @@ MEGATRON_HELP: dict[str, str] = {
     "moe_token_dispatcher_type": "How MoE tokens reach their experts' ranks. Relax's default and only choice is "
                                  "alltoall (Megatron's default is allgather): the trainer's micro-batches vary in "
                                  "length, which the all-to-all dispatcher handles.",
+    "optimizer_cpu_offload": "Keep the optimizer's state in CPU memory and step it there (Megatron's hybrid-device "
+                             "optimizer). GPU only: a run without a GPU stops before Ray.",
+    "overlap_cpu_optimizer_d2h_h2d": "Overlap the GPU-CPU copies of --optimizer-cpu-offload with compute (CUDA "
+                                     "streams). GPU only.",
+    "use_precision_aware_optimizer": "Keep the optimizer's state in lower precision with Transformer Engine's fused "
+                                     "Adam. GPU only.",
+    "moe_grouped_gemm": "Run each rank's experts as one grouped GEMM (Transformer Engine). GPU only.",
+    "moe_permute_fusion": "Permute MoE tokens with Transformer Engine's fused kernels. GPU only.",
     "optimizer": "The trainer's optimizer, built by Megatron: adam (AdamW, decoupled weight decay) or sgd (with "
                  "--sgd-momentum). muon, dist_muon and lion need a newer Megatron than the installed one.",
     "sgd_momentum": "Momentum of --optimizer sgd.",

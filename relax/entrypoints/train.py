@@ -9,6 +9,7 @@ def main(argv: list[str] | None = None) -> int:
     from relax.config import ConfigError, parse_config
     from relax.config.explain import explain
     from relax.config.support import no_effect_flags, no_effect_warning, require_supported
+    from relax.config.support_gpu import require_gpu_for
 
     try:
         config = parse_config(argv)
@@ -16,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
             print(explain(config))
             return 0
         require_supported(config)
+        require_gpu_for(config)
         ignored = no_effect_flags(config)
         if ignored:
             print(f"relax-train: warning: {no_effect_warning(ignored)}", file=sys.stderr)

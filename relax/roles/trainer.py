@@ -8,6 +8,7 @@ from typing import Any
 
 import ray
 
+from relax.config.support_gpu import GPU_ONLY_REASONS
 from relax.roles.megatron_rank import MegatronRank
 from relax.rollout.rewards.runner import check_step_rewards, reward_name
 from relax.weights.sync import push_for_config
@@ -37,6 +38,7 @@ def trainer_settings(config: Any, *, forward_only: bool = False):
         lr_decay_iters=config.lr_decay_iters, weight_decay=config.weight_decay,
         adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, adam_eps=config.adam_eps,
         optimizer=config.optimizer, sgd_momentum=config.sgd_momentum,
+        gpu_features=tuple(name for name in GPU_ONLY_REASONS if config[name]),
         clip_grad=config.clip_grad, seed=config.seed, bf16=bool(config.bf16), fp16=bool(config.fp16),
         use_distributed_optimizer=bool(config.use_distributed_optimizer),
         micro_batch_size=config.micro_batch_size,

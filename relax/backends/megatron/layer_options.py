@@ -88,6 +88,9 @@ def uses_te(settings: Any) -> bool:
     return te_available() if settings.use_te is None else bool(settings.use_te)
 
 
+MOE_GPU_FEATURES = ("moe_grouped_gemm", "moe_permute_fusion")
+
+
 def layer_fields(settings: Any, te: bool, is_moe: bool = False) -> dict[str, Any]:
     """Every TransformerConfig field this module owns, for `to_transformer_config(**fields)` (the MoE router's
     dtype only for models with experts)."""
@@ -96,6 +99,12 @@ def layer_fields(settings: Any, te: bool, is_moe: bool = False) -> dict[str, Any
         if not 0.0 <= p < 1.0:
             raise ValueError(f"{name} must be in [0, 1), got {p}")
     router = {"moe_router_dtype": settings.moe_router_dtype} if is_moe and settings.moe_router_dtype else {}
+    for name in MOE_GPU_FEATURES:  # Transformer Engine's MoE kernels, on GPU only
+        if name in settings.gpu_features and is_moe:
+            if not te:
+                raise ValueError(f"--{name.replace('_', '-')} needs Transformer Engine on a GPU, and this trainer rank "
+                                 "has none (relax.config.support_gpu says why)")
+            router[name] = True
     return {
         **recompute_fields(settings, te, is_moe),
         **router,

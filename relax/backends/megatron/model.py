@@ -23,8 +23,8 @@ def te_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
-def layer_spec(arch: ModelArch, use_te: bool):
-    """The transformer-layer spec for `arch` (TE or local)."""
+def layer_spec(arch: ModelArch, use_te: bool, grouped_gemm: bool = False):
+    """The transformer-layer spec for `arch` (TE or local; `grouped_gemm`: TE's grouped GEMM for the experts)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -32,7 +32,7 @@ def layer_spec(arch: ModelArch, use_te: bool):
 
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(
-            num_experts=arch.num_experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_layernorm
+            num_experts=arch.num_experts, moe_grouped_gemm=grouped_gemm, qk_layernorm=arch.qk_layernorm
         )
     return get_gpt_layer_local_spec(
         num_experts=arch.num_experts,
@@ -106,7 +106,8 @@ def build_gpt_model(
     model = GPTModel(
         config=transformer_config,
         transformer_layer_spec=(block_spec(layer_spec(arch, use_te), transformer_config, vp_stage)
-                                if transformer_config.sequence_parallel and not use_te else layer_spec(arch, use_te)),
+                                if transformer_config.sequence_parallel and not use_te
+                                else layer_spec(arch, use_te, grouped_gemm=bool(transformer_config.moe_grouped_gemm))),
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,

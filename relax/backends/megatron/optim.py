@@ -8,6 +8,9 @@ import torch
 
 __all__ = ["wrap_ddp", "build_optimizer", "build_scheduler"]
 
+# Megatron's own GPU optimizer features, switched on by their flags (relax.config.support_gpu)
+OPTIMIZER_GPU_FEATURES = ("optimizer_cpu_offload", "overlap_cpu_optimizer_d2h_h2d", "use_precision_aware_optimizer")
+
 
 def wrap_ddp(model: torch.nn.Module, transformer_config, *, use_distributed_optimizer: bool):
     """Wrap a GPTModel in Megatron's DDP (contiguous grad buffers, `main_grad`).
@@ -51,12 +54,18 @@ def build_optimizer(
     initial_loss_scale: float = 2.0**16,
     optimizer: str = "adam",
     sgd_momentum: float = 0.9,
+    gpu_features: tuple[str, ...] = (),
 ):
     """`get_megatron_optimizer` with `optimizer` (adam: AdamW with decoupled weight decay, as Megatron; sgd:
     SGD with `sgd_momentum`); sets the config's loss-scale hook."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    gpu = {name: True for name in OPTIMIZER_GPU_FEATURES if name in gpu_features}
+    if gpu and not torch.cuda.is_available():
+        raise ValueError(f"{', '.join('--' + n.replace('_', '-') for n in gpu)} need(s) a GPU and this trainer rank has "
+                         "none (relax.config.support_gpu says why); remove them to train on the CPU")
     config = OptimizerConfig(
+        **gpu,
         optimizer=optimizer,
         sgd_momentum=sgd_momentum,
         lr=lr,

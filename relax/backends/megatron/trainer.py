@@ -84,6 +84,7 @@ class TrainerSettings:
     attention_dropout: float = 0.0
     attention_backend: str = "auto"  # flash | fused (Transformer Engine) | unfused | local | auto
     moe_router_dtype: Optional[str] = None  # fp32 | fp64: the router's logits and softmax (MoE models)
+    gpu_features: tuple[str, ...] = ()  # GPU-only Megatron switches that are on (relax.config.support_gpu)
     use_te: Optional[bool] = None
     pad_token_id: int = 0
     # Forward-only (reference / teacher): no DDP grad buffers, optimizer or scheduler.
@@ -261,6 +262,7 @@ class MegatronTrainer:
             adam_eps=settings.adam_eps,
             optimizer=settings.optimizer,
             sgd_momentum=settings.sgd_momentum,
+            gpu_features=settings.gpu_features,
             clip_grad=settings.clip_grad,
             bf16=settings.bf16,
             fp16=settings.fp16,
