@@ -6,9 +6,7 @@ import pytest
 import torch
 from conftest import relax_cli
 
-from relax.backends.megatron.arch import ModelArch
-from relax.backends.megatron.testing import build_random_tiny_model, ensure_single_process
-from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
+from relax.backends.megatron.testing import build_random_tiny_model, ensure_single_process, hf_trainer
 from relax.config import parse_config
 from relax.config.support import unsupported_flags
 from relax.roles.trainer import trainer_settings
@@ -37,9 +35,6 @@ def test_the_trainer_gets_them_and_refuses_them_without_cuda(tmp_path):
     assert unsupported_flags(config) == []
     assert set(trainer_settings(config).gpu_features) == {f[2:].replace("-", "_") for f in FLAGS}
     ensure_single_process()
-    from transformers import AutoConfig
-
     path = build_random_tiny_model(tmp_path / "m", "qwen2", seed=3)
-    arch = ModelArch.from_hf_config(AutoConfig.from_pretrained(path))
     with pytest.raises(ValueError, match="--optimizer-cpu-offload need"):
-        MegatronTrainer(arch, TrainerSettings(gpu_features=("optimizer_cpu_offload",)))
+        hf_trainer(path, gpu_features=("optimizer_cpu_offload",))

@@ -4,19 +4,11 @@
 import pytest
 import torch
 
-from relax.backends.megatron.arch import ModelArch
-from relax.backends.megatron.testing import build_random_tiny_moe_model, ensure_single_process, toy_samples
-from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
+from relax.backends.megatron.testing import build_random_tiny_moe_model, ensure_single_process, hf_trainer, toy_samples
 from relax.config import parse_config
 from relax.config.support import unsupported_flags
 
 torch.set_num_threads(1)
-
-
-def _arch(path):
-    from transformers import AutoConfig
-
-    return ModelArch.from_hf_config(AutoConfig.from_pretrained(path))
 
 
 def test_router_dtype_reaches_megatron_and_keeps_the_logprobs(tmp_path):
@@ -25,8 +17,7 @@ def test_router_dtype_reaches_megatron_and_keeps_the_logprobs(tmp_path):
     samples = toy_samples(2, seed=5)
     results = {}
     for dtype in (None, "fp64"):
-        trainer = MegatronTrainer(_arch(path), TrainerSettings(lr=1e-3, micro_batch_size=2, moe_router_dtype=dtype))
-        trainer.load_hf(path)
+        trainer = hf_trainer(path, lr=1e-3, micro_batch_size=2, moe_router_dtype=dtype)
         assert trainer.config.moe_router_dtype == dtype
         results[dtype] = trainer.compute_logprobs(samples)
     for a, b in zip(results[None], results["fp64"]):

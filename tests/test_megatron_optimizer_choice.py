@@ -4,9 +4,13 @@ momentum update of the gradients; choices the installed Megatron cannot build ar
 import pytest
 import torch
 
-from relax.backends.megatron.arch import ModelArch
-from relax.backends.megatron.testing import build_random_tiny_model, ensure_single_process, toy_pg_loss, toy_samples
-from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
+from relax.backends.megatron.testing import (
+    build_random_tiny_model,
+    ensure_single_process,
+    hf_trainer,
+    toy_pg_loss,
+    toy_samples,
+)
 from relax.config import parse_config
 from relax.config.support import unsupported_flags
 from relax.roles.trainer import trainer_settings
@@ -22,13 +26,8 @@ def _inner(optimizer):
 
 def test_sgd_is_built_and_steps_by_the_gradient(tmp_path):
     ensure_single_process()
-    from transformers import AutoConfig
-
     path = build_random_tiny_model(tmp_path / "m", "qwen2", seed=3)
-    arch = ModelArch.from_hf_config(AutoConfig.from_pretrained(path))
-    trainer = MegatronTrainer(arch, TrainerSettings(lr=0.1, micro_batch_size=2, optimizer="sgd", sgd_momentum=0.5,
-                                                    clip_grad=1e9))
-    trainer.load_hf(path)
+    trainer = hf_trainer(path, lr=0.1, micro_batch_size=2, optimizer="sgd", sgd_momentum=0.5, clip_grad=1e9)
     torch_opts = _inner(trainer.optimizer)
     assert all(isinstance(o, torch.optim.SGD) and o.param_groups[0]["momentum"] == 0.5 for o in torch_opts)
     before = {n: p.detach().clone() for n, p in trainer.gpt_model.named_parameters()}

@@ -4,9 +4,13 @@ what Megatron's flags mean: dropout changes training passes only (log-prob passe
 import pytest
 import torch
 
-from relax.backends.megatron.arch import ModelArch
-from relax.backends.megatron.testing import build_random_tiny_model, ensure_single_process, toy_pg_loss, toy_samples
-from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
+from relax.backends.megatron.testing import (
+    build_random_tiny_model,
+    ensure_single_process,
+    hf_trainer,
+    toy_pg_loss,
+    toy_samples,
+)
 from relax.config import parse_config
 from relax.config.errors import ConfigError
 from relax.config.rules_recompute import te_available
@@ -76,12 +80,7 @@ def model_dir(tmp_path_factory):
 
 
 def _trainer(path, **kw):
-    from transformers import AutoConfig
-
-    settings = TrainerSettings(**{"lr": 0.0, "micro_batch_size": 2, "seed": 7, **kw})
-    trainer = MegatronTrainer(ModelArch.from_hf_config(AutoConfig.from_pretrained(path)), settings)
-    trainer.load_hf(path)
-    return trainer
+    return hf_trainer(path, **{"lr": 0.0, "micro_batch_size": 2, "seed": 7, **kw})
 
 
 def test_settings_reach_megatron_configs(model_dir):

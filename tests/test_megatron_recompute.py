@@ -5,9 +5,13 @@ loss, gradients and weights as no recompute, and really recomputes (layers run a
 import pytest
 import torch
 
-from relax.backends.megatron.arch import ModelArch
-from relax.backends.megatron.testing import build_random_tiny_model, ensure_single_process, toy_pg_loss, toy_samples
-from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
+from relax.backends.megatron.testing import (
+    build_random_tiny_model,
+    ensure_single_process,
+    hf_trainer,
+    toy_pg_loss,
+    toy_samples,
+)
 from relax.config import parse_config
 from relax.config.errors import ConfigError
 from relax.config.support import unsupported_flags
@@ -87,11 +91,7 @@ def model_dir(tmp_path_factory):
 
 def _step(path, **kw):
     """One train step: (trainer, metrics, gradients by name, weights after the update, layer forward counts)."""
-    from transformers import AutoConfig
-
-    settings = TrainerSettings(**{"lr": 1e-3, "micro_batch_size": 2, "seed": 7, **kw})
-    trainer = MegatronTrainer(ModelArch.from_hf_config(AutoConfig.from_pretrained(path)), settings)
-    trainer.load_hf(path)
+    trainer = hf_trainer(path, **{"lr": 1e-3, "micro_batch_size": 2, "seed": 7, **kw})
     calls = {"layer": 0, "core_attn": 0, "mlp": 0}
     for layer in trainer.gpt_model.decoder.layers:
         layer.register_forward_pre_hook(lambda *_: calls.__setitem__("layer", calls["layer"] + 1))

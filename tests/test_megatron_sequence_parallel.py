@@ -5,9 +5,7 @@ tensor-parallel group (relax.backends.megatron.sequence_parallel)."""
 import pytest
 import torch
 
-from relax.backends.megatron.arch import ModelArch
-from relax.backends.megatron.testing import build_random_tiny_model, run_ranks, toy_pg_loss, toy_samples
-from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
+from relax.backends.megatron.testing import build_random_tiny_model, hf_trainer, run_ranks, toy_pg_loss, toy_samples
 from relax.config import ConfigError, parse_config
 from relax.config.support import require_supported
 
@@ -17,19 +15,12 @@ BASE = dict(lr=1e-3, micro_batch_size=2, seed=11, clip_grad=1.0, weight_decay=0.
 STEPS = 2
 
 
-def _arch(path):
-    from transformers import AutoConfig
-
-    return ModelArch.from_hf_config(AutoConfig.from_pretrained(path))
-
-
 def _worker(rank, world, path, samples):
     from megatron.core import parallel_state as ps
 
     out = {}
     for name, sp in (("plain", False), ("sp", True)):
-        trainer = MegatronTrainer(_arch(path), TrainerSettings(**BASE, sequence_parallel=sp))
-        trainer.load_hf(path)
+        trainer = hf_trainer(path, **BASE, sequence_parallel=sp)
         marked = [p for p in trainer.gpt_model.parameters() if getattr(p, "sequence_parallel", False)]
         out[name] = {
             "active": trainer.config.sequence_parallel, "marked": len(marked),

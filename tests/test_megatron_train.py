@@ -5,16 +5,15 @@ import math
 import pytest
 import torch
 
-from relax.backends.megatron.arch import ModelArch
 from relax.backends.megatron.batching import make_micro_batches
 from relax.backends.megatron.testing import (
     build_random_tiny_model,
     ensure_single_process,
     hf_response_logprobs,
+    hf_trainer,
     toy_pg_loss,
     toy_samples,
 )
-from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
 
 torch.set_num_threads(1)
 
@@ -29,17 +28,8 @@ def model_dir(tmp_path_factory):
     return build_random_tiny_model(tmp_path_factory.mktemp("m") / "qwen2", "qwen2", seed=5)
 
 
-def _arch(path):
-    from transformers import AutoConfig
-
-    return ModelArch.from_hf_config(AutoConfig.from_pretrained(path))
-
-
 def _trainer(path, **kw):
-    settings = TrainerSettings(**{"lr": 1e-3, "micro_batch_size": 2, "seed": 7, **kw})
-    trainer = MegatronTrainer(_arch(path), settings)
-    trainer.load_hf(path)
-    return trainer
+    return hf_trainer(path, **{"lr": 1e-3, "micro_batch_size": 2, "seed": 7, **kw})
 
 
 def _weights(trainer):

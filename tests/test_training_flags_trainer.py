@@ -9,9 +9,7 @@ import pytest
 import torch
 
 from relax import algorithms as alg
-from relax.backends.megatron.arch import ModelArch
-from relax.backends.megatron.testing import build_random_tiny_model, ensure_single_process
-from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
+from relax.backends.megatron.testing import build_random_tiny_model, ensure_single_process, hf_trainer
 from relax.config import parse_config
 from relax.data.sample import Sample
 from relax.roles.trainer import trainer_settings
@@ -45,12 +43,7 @@ def model_dir(tmp_path_factory):
 
 
 def _trainer(path, **kw):
-    from transformers import AutoConfig
-
-    settings = TrainerSettings(**{"lr": 1e-2, "micro_batch_size": 6, "seed": 7, **kw})
-    trainer = MegatronTrainer(ModelArch.from_hf_config(AutoConfig.from_pretrained(path)), settings)
-    trainer.load_hf(path)
-    return trainer
+    return hf_trainer(path, **{"lr": 1e-2, "micro_batch_size": 6, "seed": 7, **kw})
 
 
 def _samples(n=6, seed=0):

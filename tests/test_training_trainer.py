@@ -4,9 +4,7 @@ freezing, optimizer reset, NaN/Inf stops, forward-only reference loading from ch
 import pytest
 import torch
 
-from relax.backends.megatron.arch import ModelArch
-from relax.backends.megatron.testing import build_random_tiny_model, ensure_single_process, toy_samples
-from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
+from relax.backends.megatron.testing import build_random_tiny_model, ensure_single_process, hf_trainer, toy_samples
 from relax.config import parse_config
 from relax.data.sample import Sample
 from relax.training.objective import PolicyObjective
@@ -26,12 +24,7 @@ def model_dir(tmp_path_factory):
 
 
 def _trainer(path, **kw):
-    from transformers import AutoConfig
-
-    settings = TrainerSettings(**{"lr": 1e-3, "micro_batch_size": 2, "seed": 7, **kw})
-    trainer = MegatronTrainer(ModelArch.from_hf_config(AutoConfig.from_pretrained(path)), settings)
-    trainer.load_hf(path)
-    return trainer
+    return hf_trainer(path, **{"lr": 1e-3, "micro_batch_size": 2, "seed": 7, **kw})
 
 
 def _params(trainer):

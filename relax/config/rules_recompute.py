@@ -114,14 +114,6 @@ def check_dropout_and_kernels(v: dict, explicit) -> None:
         logger.warning(TE_FALLBACK, backend)
 
 
-# Relax trains without dropout unless a dropout flag is given (RL compares training-pass log-probs with the
-# rollout's; dropout would make them differ). Megatron's own default is 0.1.
-def dropout(config: Any, dest: str) -> float:
-    """The dropout probability the trainer uses for `dest` (hidden_dropout or attention_dropout). Relax's
-    default is 0 (relax.config.megatron.RELAX_DEFAULT_OVERRIDES), Megatron's 0.1."""
-    return float(config[dest])
-
-
 def check(v: dict, explicit) -> None:
     check_recompute(v, explicit)
     check_dropout_and_kernels(v, explicit)

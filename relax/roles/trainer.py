@@ -18,7 +18,6 @@ logger = logging.getLogger(__name__)
 
 def trainer_settings(config: Any, *, forward_only: bool = False):
     from relax.backends.megatron.trainer import TrainerSettings
-    from relax.config.rules_recompute import dropout
 
     dynamic = bool(config.use_dynamic_batch_size)
     # Megatron: --recompute-activations is --recompute-granularity selective (checked in rules_recompute).
@@ -50,7 +49,8 @@ def trainer_settings(config: Any, *, forward_only: bool = False):
         recompute_method=None if forward_only else config.recompute_method,
         recompute_num_layers=None if forward_only else config.recompute_num_layers,
         recompute_modules=None if forward_only or not config.recompute_modules else tuple(config.recompute_modules),
-        hidden_dropout=dropout(config, "hidden_dropout"), attention_dropout=dropout(config, "attention_dropout"),
+        # Relax's default is 0 (relax.config.megatron.RELAX_DEFAULT_OVERRIDES), Megatron's 0.1
+        hidden_dropout=float(config.hidden_dropout), attention_dropout=float(config.attention_dropout),
         attention_backend=backend, moe_router_dtype=config.moe_router_dtype,
     )
 

@@ -19,6 +19,8 @@ __all__ = [
     "hf_response_logprobs",
     "run_ranks",
     "ensure_single_process",
+    "hf_arch",
+    "hf_trainer",
 ]
 
 
@@ -181,3 +183,21 @@ def ensure_single_process() -> None:
     if not dist.is_initialized():
         init_distributed(0, 1, "127.0.0.1", _free_port(), backend="gloo")
     init_model_parallel(1, 1)
+
+
+def hf_arch(path: str | Path):
+    """The `ModelArch` of an HF model folder."""
+    from transformers import AutoConfig
+
+    from relax.backends.megatron.arch import ModelArch
+
+    return ModelArch.from_hf_config(AutoConfig.from_pretrained(str(path)))
+
+
+def hf_trainer(path: str | Path, **settings: Any):
+    """A `MegatronTrainer` with `TrainerSettings(**settings)` for the HF model folder `path`, its weights loaded."""
+    from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
+
+    trainer = MegatronTrainer(hf_arch(path), TrainerSettings(**settings))
+    trainer.load_hf(path)
+    return trainer
