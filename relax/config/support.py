@@ -14,7 +14,10 @@ from typing import Any
 
 from relax.config.config import Config
 from relax.config.errors import ConfigError
+from relax.config.support_async import ASYNC_FEATURES
+from relax.config.support_ops import OPS_FEATURES
 from relax.config.support_rollout import ROLLOUT_FEATURES
+from relax.config.support_serving import SERVING_FEATURES
 from relax.config.support_training import TRAINING_FEATURES, TRAINING_SUPPORTED_VALUES
 from relax.config.support_weights import WEIGHTS_FEATURES
 
@@ -58,7 +61,7 @@ _E2E_LOOP = {
 }
 
 IMPLEMENTED: frozenset[str] = frozenset(_CONFIG_LAYER | _DUMPS | _E2E_LOOP | TRAINING_FEATURES | ROLLOUT_FEATURES
-                                        | WEIGHTS_FEATURES)
+                                        | WEIGHTS_FEATURES | ASYNC_FEATURES | OPS_FEATURES | SERVING_FEATURES)
 
 # Flags whose feature is built for some values only: dest -> supported values.
 SUPPORTED_VALUES: dict[str, frozenset] = {

@@ -1,0 +1,5 @@
+"""Flags of operations and observability (ClearML, notifications, metrics service, timeline, profiling) whose features are built (see relax.config.support). Add a dest only with its code and
+test, naming both in a comment beside it."""
+
+OPS_FEATURES: frozenset[str] = frozenset({
+})
