@@ -174,22 +174,37 @@ def check_sequence_parallel(v: dict, explicit) -> None:
 
 
 def check_expert_parallel(v: dict, explicit) -> None:
-    """--expert-model-parallel-size splits each MoE layer's experts over ranks: the model needs experts, a count
-    the split divides, and trainer ranks that hold whole expert groups at every pipeline stage (Megatron's
-    expert-data-parallel layout: ranks / (expert-tensor x expert x pipeline parallel))."""
+    """--expert-model-parallel-size splits each MoE layer's experts over ranks, --expert-tensor-parallel-size
+    splits each expert's matrices: the model needs experts, a count the split divides, and trainer ranks that
+    hold whole expert groups at every pipeline stage (Megatron's expert-data-parallel layout: ranks /
+    (expert-tensor x expert x pipeline parallel)). Megatron refuses an MoE model under tensor parallelism
+    without sequence parallelism (its TransformerConfig raises when the trainer builds); said here first."""
     ep = v.get("expert_model_parallel_size") or 1
-    if ep == 1:
+    etp = v.get("expert_tensor_parallel_size") or 1
+    tp = v.get("tensor_model_parallel_size") or 1
+    if ep == 1 and etp == 1 and tp == 1:
         return
     experts = v.get("num_experts") or (_hf_num_experts(v["hf_checkpoint"]) if v.get("hf_checkpoint") else None)
     if experts is None:  # no readable model here (a launch script's --dry-run on another machine): checked at start
         return
+    if experts and tp > 1 and not v.get("sequence_parallel"):
+        raise ConfigError(f"--tensor-model-parallel-size {tp} with an MoE model ({experts} experts) needs "
+                          "--sequence-parallel (Megatron-core requires it for MoE layers under tensor parallelism)")
+    if ep == 1 and etp == 1:
+        return
+    if etp not in (1, tp):
+        raise ConfigError(f"--expert-tensor-parallel-size {etp} with --tensor-model-parallel-size {tp}: the trainer is "
+                          f"built and checked for experts split like the dense layers ({tp}) or held whole (1); use "
+                          "one of those")
+    if experts == 0 and ep == 1:
+        raise ConfigError(f"--expert-tensor-parallel-size {etp} splits experts, but the model is dense "
+                          f"(--hf-checkpoint {v.get('hf_checkpoint')} has no experts); use 1 or an MoE model")
     if experts == 0:
         raise ConfigError(f"--expert-model-parallel-size {ep} splits experts, but the model is dense "
                           f"(--hf-checkpoint {v.get('hf_checkpoint')} has no experts); use 1 or an MoE model")
     if experts % ep:
         raise ConfigError(f"--expert-model-parallel-size {ep} must divide the model's {experts} experts")
     replicas, gpus = (v.get("resource") or {}).get("actor", [1, 1])  # the default: one trainer rank
-    etp = v.get("expert_tensor_parallel_size") or 1
     block = etp * ep * (v.get("pipeline_model_parallel_size") or 1)
     if (replicas * gpus) % block:
         raise ConfigError(f"--resource actor has {replicas * gpus} trainer ranks, not divisible by "

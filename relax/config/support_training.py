@@ -43,6 +43,9 @@ TRAINING_FEATURES: frozenset[str] = ARCH_FEATURES | GPU_ONLY_FEATURES | frozense
     "sequence_parallel",
     # expert parallelism of MoE models (tests/test_megatron_moe.py: EP 2 against EP 1; tests/test_expert_parallel_e2e.py)
     "expert_model_parallel_size",
+    # experts split by tensor parallelism (1 or the TP size; tests/test_megatron_etp.py: TP 2 with ETP 2, and with
+    # ETP 1 + EP 2, against one rank)
+    "expert_tensor_parallel_size",
     # the MoE router's dtype and token dispatcher (tests/test_megatron_moe_flags.py)
     "moe_router_dtype", "moe_token_dispatcher_type",
     # the optimizer Megatron builds (tests/test_megatron_optimizer_choice.py)
