@@ -27,8 +27,10 @@ def redact_text(text: str) -> str:
 
 
 def _redact_url_path(url: Any) -> Any:
+    """`scheme://<redacted>`; a string of several URLs (commas or spaces between them) keeps each scheme."""
     if isinstance(url, str) and "://" in url:
-        return url.split("://", 1)[0] + "://" + REDACTED
+        urls = [u for u in re.split(r"[\s,]+", url) if u]
+        return ",".join(u.split("://", 1)[0] + "://" + REDACTED if "://" in u else REDACTED for u in urls)
     return url
 
 

@@ -2,4 +2,7 @@
 test, naming both in a comment beside it."""
 
 OPS_FEATURES: frozenset[str] = frozenset({
+    # relax/observability/notify.py, sent around run_controller by relax/entrypoints/train.py;
+    # tests/test_notify.py and tests/test_clearml_offline.py (e2e)
+    "notify_urls",
 })

@@ -1,8 +1,14 @@
-"""`relax-train` / `python -m relax.entrypoints.train`: parse, validate, then run the controller."""
+"""`relax-train` / `python -m relax.entrypoints.train`: parse, validate, then run the controller.
+
+Around the controller's run: `--notify-urls` messages (started before, finished or failed after, from its exit
+code; a failure's message is the first ERROR line the run logged).
+"""
 
 from __future__ import annotations
 
+import logging
 import sys
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -10,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     from relax.config.explain import explain
     from relax.config.support import no_effect_flags, no_effect_warning, require_supported
     from relax.config.support_gpu import require_gpu_for
+    from relax.observability.notify import FirstError, Notifier, last_step_summary
 
     try:
         config = parse_config(argv)
@@ -18,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         require_supported(config)
         require_gpu_for(config)
+        notifier = Notifier.from_config(config)  # an URL Apprise cannot parse is a config error
         ignored = no_effect_flags(config)
         if ignored:
             print(f"relax-train: warning: {no_effect_warning(ignored)}", file=sys.stderr)
@@ -26,7 +34,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from relax.core.controller import run_controller
 
-    return run_controller(config)
+    first_error = FirstError()
+    relax_log = logging.getLogger("relax")
+    relax_log.addHandler(first_error)
+    notifier.started(f"{config.num_rollout} rollout steps")
+    try:
+        code = run_controller(config)
+    except BaseException as exc:  # the controller returns codes; anything escaping it still ends the run
+        notifier.failed(1, first_error.line or f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        relax_log.removeHandler(first_error)
+    if code == 0:
+        notifier.finished(last_step_summary(Path(config.output_dir) / "metrics.jsonl"))
+    else:
+        notifier.failed(code, first_error.line)
+    return code
 
 
 if __name__ == "__main__":
