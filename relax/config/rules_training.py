@@ -212,5 +212,21 @@ def check_expert_parallel(v: dict, explicit) -> None:
                           f"--pipeline-model-parallel-size = {block}")
 
 
+def check_context_parallel(v: dict, explicit) -> None:
+    """--context-parallel-size splits every sequence over ranks (relax.backends.megatron.context_parallel): built
+    and checked for dense models without pipeline parallelism."""
+    cp = v.get("context_parallel_size") or 1
+    if cp == 1:
+        return
+    if (v.get("pipeline_model_parallel_size") or 1) > 1:
+        raise ConfigError(f"--context-parallel-size {cp} with --pipeline-model-parallel-size "
+                          f"{v['pipeline_model_parallel_size']} is not supported yet; use one of them")
+    experts = v.get("num_experts") or (_hf_num_experts(v["hf_checkpoint"]) if v.get("hf_checkpoint") else None)
+    if experts:
+        raise ConfigError(f"--context-parallel-size {cp} with an MoE model ({experts} experts) is not supported "
+                          "yet; context parallelism is built for dense models")
+
+
 RULES: tuple = (check_reference, check_corrections, check_critic, check_opd, check_train_data, check_old_policy,
-                 check_routing_replay, check_opd_sglang, check_sequence_parallel, check_expert_parallel)
+                 check_routing_replay, check_opd_sglang, check_sequence_parallel, check_expert_parallel,
+                 check_context_parallel)

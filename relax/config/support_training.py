@@ -46,6 +46,9 @@ TRAINING_FEATURES: frozenset[str] = ARCH_FEATURES | GPU_ONLY_FEATURES | frozense
     # experts split by tensor parallelism (1 or the TP size; tests/test_megatron_etp.py: TP 2 with ETP 2, and with
     # ETP 1 + EP 2, against one rank)
     "expert_tensor_parallel_size",
+    # context parallelism of dense models (relax.backends.megatron.context_parallel; tests/test_megatron_context_parallel.py:
+    # CP 2 against one rank)
+    "context_parallel_size",
     # the MoE router's dtype and token dispatcher (tests/test_megatron_moe_flags.py)
     "moe_router_dtype", "moe_token_dispatcher_type",
     # the optimizer Megatron builds (tests/test_megatron_optimizer_choice.py)

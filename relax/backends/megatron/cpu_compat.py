@@ -195,9 +195,11 @@ def _patch_backward_paths() -> None:
     backward pass runs inside the handling of `torch.autograd.backward`, so
     custom autograd backwards and activation recomputation see no mode. What
     they need: `current_device()` (patched to the CPU device), the causal masks
-    (hard-coded "cuda") and MoE split sizes (left as tensors on CPU).
+    (hard-coded "cuda"), MoE split sizes (left as tensors on CPU) and the rotary
+    embedding's context-parallel slice (a pinned index moved with `.cuda()`).
     """
     from megatron.core.fusions import fused_softmax
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
     from megatron.core.transformer import utils as transformer_utils
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
@@ -206,6 +208,17 @@ def _patch_backward_paths() -> None:
         module.get_sliding_window_causal_mask = _cpu_sliding_window_mask
     moe_utils.maybe_move_tensor_to_cpu = _maybe_move_tensor_to_cpu
     token_dispatcher.maybe_move_tensor_to_cpu = _maybe_move_tensor_to_cpu
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _cpu_pos_emb_on_this_cp_rank
+
+
+def _cpu_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    """Megatron's rotary slice for this context-parallel rank (chunks r and 2 cp - 1 - r), whose index tensor
+    is pinned and moved with `.cuda()` (the model's forward runs without the device-rewriting mode)."""
+    cp, rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([rank, 2 * cp - rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp, -1, *pos_emb.shape[seq_dim + 1:])
+    pos_emb = pos_emb.index_select(seq_dim, index)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
 
 
 def cpu_compat_active() -> bool:

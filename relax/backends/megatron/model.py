@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from relax.backends.megatron.arch import ModelArch
+from relax.backends.megatron.context_parallel import with_cp_attention
 from relax.backends.megatron.cpu_compat import apply_cpu_compat, compute_device
 from relax.backends.megatron.sequence_parallel import block_spec
 
@@ -103,11 +104,13 @@ def build_gpt_model(
         pre_process = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if post_process is None:
         post_process = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    spec = layer_spec(arch, use_te, grouped_gemm=bool(transformer_config.moe_grouped_gemm))
+    if transformer_config.context_parallel_size > 1 and not use_te:  # TE's attention does CP itself
+        spec = with_cp_attention(spec)
     model = GPTModel(
         config=transformer_config,
-        transformer_layer_spec=(block_spec(layer_spec(arch, use_te), transformer_config, vp_stage)
-                                if transformer_config.sequence_parallel and not use_te
-                                else layer_spec(arch, use_te, grouped_gemm=bool(transformer_config.moe_grouped_gemm))),
+        transformer_layer_spec=(block_spec(spec, transformer_config, vp_stage)
+                                if transformer_config.sequence_parallel and not use_te else spec),
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,

@@ -29,6 +29,7 @@ from relax.backends.megatron.checkpoint import (
     resolve_model_checkpoint,
     save_checkpoint,
 )
+from relax.backends.megatron.context_parallel import gather_output, split_input
 from relax.backends.megatron.cpu_compat import apply_cpu_compat, compute_device, native_device_ops
 from relax.backends.megatron.hf_weights import (
     export_hf_weights,
@@ -52,6 +53,7 @@ class TrainerSettings:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    allgather_cp: bool = False  # --allgather-cp: TE's all-gather exchange under CP (its ring otherwise)
     ep: int = 1
     etp: Optional[int] = None
     lr: float = 1e-6
@@ -201,8 +203,9 @@ class MegatronTrainer:
 
     def __init__(self, arch: ModelArch, settings: TrainerSettings):
         apply_cpu_compat()
-        if settings.cp != 1:
-            raise NotImplementedError("context parallelism is not supported by MegatronTrainer yet")
+        if settings.cp > 1 and settings.pp > 1:
+            raise NotImplementedError("context parallelism with pipeline parallelism is not supported by "
+                                      "MegatronTrainer yet")
         if not dist.is_initialized():
             init_distributed(0, 1, "127.0.0.1", _free_port())
         self.settings = settings
@@ -222,6 +225,7 @@ class MegatronTrainer:
             bf16=settings.bf16,
             fp16=settings.fp16,
             sequence_parallel=settings.sequence_parallel,
+            cp_comm_type=("all_gather" if settings.allgather_cp else "p2p") if settings.cp > 1 else None,
             use_cpu_initialization=compute_device().type == "cpu",
             **layer_fields(settings, uses_te(settings), arch.is_moe),
             **self._routing_replay_overrides(arch, settings),
@@ -392,6 +396,7 @@ class MegatronTrainer:
             raise ValueError("every rank needs at least one sample")
         self._check_same_samples_in_replica(samples)
         multiple = self.settings.tp if self.config.sequence_parallel else 1
+        multiple *= 2 * self.settings.cp if self.settings.cp > 1 else 1  # CP: 2 cp equal chunks (context_parallel)
         with native_device_ops():  # thousands of small tensor ops; `.to(self._device)` names the device itself
             return [
                 mb.to(self._device)
@@ -438,12 +443,17 @@ class MegatronTrainer:
         """`hooks` (routing replay): `hooks.before(mb)` / `hooks.after(mb)` around each micro-batch's forward."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        cp = self.settings.cp
+
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             if hooks is not None:
                 hooks.before(mb)
             with native_device_ops():
-                output = model(mb.tokens, mb.position_ids, None)
+                if cp > 1:  # this rank's chunks in, the whole sequence's output back (context_parallel)
+                    output = gather_output(model(split_input(mb.tokens), split_input(mb.position_ids), None))
+                else:
+                    output = model(mb.tokens, mb.position_ids, None)
             if hooks is not None:
                 hooks.after(mb)
             return output, partial(_native_step, step_fn, mb)
