@@ -1,0 +1,81 @@
+"""The synchronous step gives exactly the results it gave before it became a list of stages over data-plane
+fields (relax.core.stages): the learning metrics of a few steps, compared with values recorded from the
+earlier code (one fused train call, auxiliary results passed through the driver) at the same seeds.
+
+Recorded in tests/data/stages_exact_reference.json by running this file with RELAX_RECORD_STAGES=1 on the
+code before the change. Every non-timing metric of every step is compared with ==: rewards, losses, grad
+norms, KL, clip fractions, advantages and critic metrics. The stages compute the same float operations in the
+same order (per-sample rows go through the data plane as float32, which is what the trainers computed them
+in), so no tolerance is needed.
+
+Runs:
+* the embedded default (reference + KL loss, 4 updates per step so old log-probs are recomputed) at two seeds;
+* PPO with a critic, --kl-coef reward shaping (non-zero in step 1) and --ref-update-interval 2, with 2
+  data-parallel ranks per role.
+"""
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+from conftest import run_steps, shared_tiny_model
+
+from relax.config import parse_config
+from relax.models.embedded import build_embedded_assets
+from relax.models.tasks import generate_task_dataset
+
+pytestmark = pytest.mark.e2e  # whole runs: Ray, trainer, reference, critic, engines
+
+FIXTURE = Path(__file__).parent / "data" / "stages_exact_reference.json"
+RECORD = os.environ.get("RELAX_RECORD_STAGES") == "1"
+
+
+def _compared(record: dict) -> dict:
+    """Every metric that is not a time, a rate or a byte count of the machine's speed."""
+    return {k: v for k, v in record.items() if not k.startswith("perf/")}
+
+
+def _check_or_record(name: str, records: list[dict]) -> None:
+    got = [_compared(r) for r in records]
+    if RECORD:
+        data = json.loads(FIXTURE.read_text()) if FIXTURE.exists() else {}
+        data[name] = got
+        FIXTURE.parent.mkdir(parents=True, exist_ok=True)
+        FIXTURE.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        return
+    expected = json.loads(FIXTURE.read_text())[name]
+    assert len(got) == len(expected)
+    for step, (want, have) in enumerate(zip(expected, got)):
+        missing = sorted(set(want) - set(have))
+        assert not missing, f"{name} step {step}: metrics no longer reported: {missing}"
+        differ = {k: (want[k], have[k]) for k in want
+                  if not (want[k] == have[k] or (isinstance(want[k], float) and math.isnan(want[k])
+                                                 and math.isnan(have[k])))}
+        assert not differ, f"{name} step {step}: (recorded, now) differ: {differ}"
+
+
+@pytest.mark.parametrize("seed", [1234, 7])
+def test_embedded_default_exact(tmp_path, seed):
+    config = parse_config(["--output-dir", str(tmp_path), "--num-rollout", "2", "--seed", str(seed)])
+    build_embedded_assets(config.hf_checkpoint, config.prompt_data, seed=config.seed % 1000)
+    records = run_steps(config)
+    assert records[0]["rollout/num_samples"] == 512 and records[0]["train/grad_norm"] > 0
+    _check_or_record(f"embedded_default_seed{seed}", records)
+
+
+def test_ppo_critic_kl_reward_exact(tmp_path):
+    model = shared_tiny_model()
+    data = generate_task_dataset(tmp_path / "train.jsonl", 40, seed=0, task="add_mod10")
+    config = parse_config([
+        "--hf-checkpoint", str(model), "--prompt-data", str(data), "--apply-chat-template", "--input-key", "input",
+        "--label-key", "label", "--rm-type", "random", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
+        "--rollout-max-response-len", "4", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-2",
+        "--resource", '{"actor": [1, 2], "rollout": [1, 1]}', "--num-data-storage-units", "1",
+        "--output-dir", str(tmp_path / "out"), "--distributed-backend", "gloo", "--advantage-estimator", "ppo",
+        "--num-rollout", "2", "--kl-coef", "0.05", "--ref-update-interval", "2", "--critic-lr", "5e-3",
+        "--seed", "3"])
+    records = run_steps(config)
+    assert all(r["train/num_updates"] == 2 and r["critic/grad_norm"] > 0 for r in records)
+    _check_or_record("ppo_critic_kl_reward", records)
