@@ -2,8 +2,10 @@
 CPU-only run with the hardware reason (before Ray when the run is local, at the trainer's build otherwise).
 
 They are built (not "not supported yet"): `relax.backends.megatron.optim` hands the optimizer ones to
-Megatron's OptimizerConfig, `relax.backends.megatron.arch` the MoE ones to its TransformerConfig and the
-Transformer Engine layer spec."""
+Megatron's OptimizerConfig, `relax.backends.megatron.layer_options` the others to its TransformerConfig (and the
+Transformer Engine layer spec). Each is a switch whose Megatron setting has the flag's name; the trainer receives the
+ones that are on (`TrainerSettings.gpu_features`). A GPU feature whose value is more than on/off (fp8 recipes, ...)
+needs a setting of its own in the trainer and stays "not supported yet" (relax.config.support_megatron)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,12 @@ GPU_ONLY_REASONS: dict[str, str] = {
                                      "fused Adam (CUDA kernels)",
     "moe_grouped_gemm": "runs each rank's experts as one grouped GEMM of Transformer Engine (CUDA kernels)",
     "moe_permute_fusion": "permutes MoE tokens with Transformer Engine's fused kernels (CUDA)",
+    "moe_router_fusion": "runs the MoE router's top-k and softmax as Transformer Engine's fused kernels (CUDA)",
+    "use_torch_optimizer_for_cpu_offload": "with --optimizer-cpu-offload, steps the CPU copy of the state with "
+                                           "torch's optimizer instead of the GPU one; it only matters with that "
+                                           "GPU-to-CPU offload",
+    "disable_bf16_reduced_precision_matmul": "switches off cuBLAS's reduced-precision reductions in bf16 matrix "
+                                             "products (torch.backends.cuda.matmul); CPU matmuls have no such mode",
 }
 GPU_ONLY_FEATURES: frozenset[str] = frozenset(GPU_ONLY_REASONS)
 

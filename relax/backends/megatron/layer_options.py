@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
+import torch
 from megatron.core.transformer.enums import AttnBackend
 
 from relax.backends.megatron.model import te_available
@@ -88,7 +89,16 @@ def uses_te(settings: Any) -> bool:
     return te_available() if settings.use_te is None else bool(settings.use_te)
 
 
-MOE_GPU_FEATURES = ("moe_grouped_gemm", "moe_permute_fusion")
+# GPU-only TransformerConfig switches (relax.config.support_gpu), each the field of the same name:
+# name -> (needs Transformer Engine, only for models with experts). Transformer Engine's MoE kernels need its layer
+# spec; the bf16 matmul switch is a cuBLAS setting (torch.backends.cuda), which TransformerConfig applies with bf16.
+TRANSFORMER_GPU_FEATURES: dict[str, tuple[bool, bool]] = {
+    "moe_grouped_gemm": (True, True),
+    "moe_permute_fusion": (True, True),
+    "moe_router_fusion": (True, True),
+    "disable_bf16_reduced_precision_matmul": (False, False),
+}
+MOE_GPU_FEATURES = tuple(name for name, (_, moe) in TRANSFORMER_GPU_FEATURES.items() if moe)
 
 
 def layer_fields(settings: Any, te: bool, is_moe: bool = False) -> dict[str, Any]:
@@ -98,16 +108,18 @@ def layer_fields(settings: Any, te: bool, is_moe: bool = False) -> dict[str, Any
         p = getattr(settings, name)
         if not 0.0 <= p < 1.0:
             raise ValueError(f"{name} must be in [0, 1), got {p}")
-    router = {"moe_router_dtype": settings.moe_router_dtype} if is_moe and settings.moe_router_dtype else {}
-    for name in MOE_GPU_FEATURES:  # Transformer Engine's MoE kernels, on GPU only
-        if name in settings.gpu_features and is_moe:
-            if not te:
-                raise ValueError(f"--{name.replace('_', '-')} needs Transformer Engine on a GPU, and this trainer rank "
-                                 "has none (relax.config.support_gpu says why)")
-            router[name] = True
+    extra = {"moe_router_dtype": settings.moe_router_dtype} if is_moe and settings.moe_router_dtype else {}
+    for name, (needs_te, moe_only) in TRANSFORMER_GPU_FEATURES.items():  # on GPU only
+        if name not in settings.gpu_features or (moe_only and not is_moe):
+            continue
+        if not (te if needs_te else torch.cuda.is_available()):
+            what = "Transformer Engine on a GPU" if needs_te else "a GPU"
+            raise ValueError(f"--{name.replace('_', '-')} needs {what}, and this trainer rank has none "
+                             "(relax.config.support_gpu says why)")
+        extra[name] = True
     return {
         **recompute_fields(settings, te, is_moe),
-        **router,
+        **extra,
         "hidden_dropout": float(settings.hidden_dropout),
         "attention_dropout": float(settings.attention_dropout),
         "attention_backend": attention_backend(settings.attention_backend, te),

@@ -9,7 +9,8 @@ import torch
 __all__ = ["wrap_ddp", "build_optimizer", "build_scheduler"]
 
 # Megatron's own GPU optimizer features, switched on by their flags (relax.config.support_gpu)
-OPTIMIZER_GPU_FEATURES = ("optimizer_cpu_offload", "overlap_cpu_optimizer_d2h_h2d", "use_precision_aware_optimizer")
+OPTIMIZER_GPU_FEATURES = ("optimizer_cpu_offload", "overlap_cpu_optimizer_d2h_h2d", "use_precision_aware_optimizer",
+                          "use_torch_optimizer_for_cpu_offload")
 
 
 def wrap_ddp(model: torch.nn.Module, transformer_config, *, use_distributed_optimizer: bool):
