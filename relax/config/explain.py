@@ -10,7 +10,8 @@ import yaml
 
 from relax.config.config import Config
 from relax.config.redact import redact_values
-from relax.config.support import no_effect_flags, no_effect_warning, unsupported_flags
+from relax.config.support import IMPLEMENTED, no_effect_dest, no_effect_flags, no_effect_warnings, unsupported_flags
+from relax.config.support_megatron import refused_groups
 from relax.config.support_gpu import gpu_only_flags
 
 # Not written to the resolved YAML: they describe this invocation, not the run.
@@ -94,12 +95,26 @@ def explain(config: Config) -> str:
     missing = unsupported_flags(config)
     ignored = no_effect_flags(config)
     out.append("")
-    if ignored:
-        out.append("accepted, " + no_effect_warning(ignored))
+    sglang = [f for f in ignored if not no_effect_dest(f)]
+    if sglang:
+        out.append("accepted, " + no_effect_warnings(sglang)[0])
+    megatron = [f for f in ignored if no_effect_dest(f)]
+    if megatron:
+        # Their own section: each flag with what has no effect and what Relax does instead (the run warns the same).
+        out.append("accepted, no effect in Relax (a real run warns once for each):")
+        out.extend("  " + line for line in no_effect_warnings(megatron))
     gpu_only = gpu_only_flags(config)
     if gpu_only:
         out.append("needs a GPU (a run on a machine without one stops before Ray): " + "; ".join(gpu_only))
     if missing:
+        # The Megatron ones by group, with why they are not built (relax.config.support_megatron.NOT_BUILT); the
+        # summary line stays last.
+        names = config.meta.get("flag_names", {})
+        for group, (why, dests) in refused_groups(IMPLEMENTED).items():
+            flags = {names.get(d, "--" + d.replace("_", "-")) for d in dests}
+            mine = [m for m in missing if m.split()[0] in flags]
+            if mine:
+                out.append(f"not built ({group}): {', '.join(mine)}; {why}")
         out.append("not supported yet (a real run stops before starting Ray): " + ", ".join(missing))
     else:
         out.append("every flag you set is supported")

@@ -14,7 +14,9 @@ from typing import Any
 
 from relax.config.config import Config
 from relax.config.errors import ConfigError
+from relax.config.megatron_mirror import ROWS as MEGATRON_ROWS
 from relax.config.support_async import ASYNC_FEATURES
+from relax.config.support_megatron import MEGATRON_FEATURES, NO_EFFECT_REASONS, no_effect_lines
 from relax.config.support_ops import OPS_FEATURES
 from relax.config.support_rollout import ROLLOUT_FEATURES
 from relax.config.support_serving import SERVING_FEATURES
@@ -61,7 +63,8 @@ _E2E_LOOP = {
 }
 
 IMPLEMENTED: frozenset[str] = frozenset(_CONFIG_LAYER | _DUMPS | _E2E_LOOP | TRAINING_FEATURES | ROLLOUT_FEATURES
-                                        | WEIGHTS_FEATURES | ASYNC_FEATURES | OPS_FEATURES | SERVING_FEATURES)
+                                        | WEIGHTS_FEATURES | ASYNC_FEATURES | OPS_FEATURES | SERVING_FEATURES
+                                        | MEGATRON_FEATURES)
 
 # Flags whose feature is built for some values only: dest -> supported values.
 SUPPORTED_VALUES: dict[str, frozenset] = {
@@ -91,19 +94,47 @@ SGLANG_RESOURCE_FLAGS: frozenset[str] = frozenset({
 })
 
 
-def no_effect_flags(config: Config) -> list[str]:
-    """SGLang resource flags the user set while the engines are not SGLang servers (as --flag names)."""
-    if uses_sglang_engines(config):
-        return []
+def _no_effect_dests(config: Config) -> dict[str, str]:
+    """dest -> --flag name of each flag set to a non-default value that has no effect in this run: SGLang resource
+    flags while the engines are not SGLang servers, and the Megatron flags of `support_megatron.NO_EFFECT_REASONS`."""
     defaults = config.meta.get("defaults", {})
     names = config.meta.get("flag_names", {})
-    return [names.get(dest, "--" + dest.replace("_", "-")) for dest in sorted(config.explicit)
-            if dest in SGLANG_RESOURCE_FLAGS and not (dest in defaults and same_value(config[dest], defaults[dest]))]
+    sglang = not uses_sglang_engines(config)
+    return {dest: names.get(dest, "--" + dest.replace("_", "-")) for dest in sorted(config.explicit)
+            if ((sglang and dest in SGLANG_RESOURCE_FLAGS) or dest in NO_EFFECT_REASONS)
+            and not (dest in defaults and same_value(config[dest], defaults[dest]))}
+
+
+def no_effect_flags(config: Config) -> list[str]:
+    """The flags the user set that have no effect in this run (as --flag names; see `_no_effect_dests`)."""
+    return list(_no_effect_dests(config).values())
+
+
+# A no-effect flag's --flag names (every option string of a mirrored Megatron flag) -> its dest.
+_NO_EFFECT_NAMES: dict[str, str] = {"--" + d.replace("_", "-"): d for d in NO_EFFECT_REASONS}
+_NO_EFFECT_NAMES.update({opt: row[2] for row in MEGATRON_ROWS if row[2] in NO_EFFECT_REASONS for opt in row[1]})
+
+
+def no_effect_dest(name: str) -> str | None:
+    """The dest of a --flag name of `support_megatron.NO_EFFECT_REASONS` (None for any other flag)."""
+    return _NO_EFFECT_NAMES.get(name)
+
+
+def no_effect_warnings(flags: list[str]) -> list[str]:
+    """One warning per flag of `no_effect_flags`, saying what has no effect and what Relax does instead (the
+    SGLang resource flags share one)."""
+    megatron = {no_effect_dest(f): f for f in flags if no_effect_dest(f)}
+    sglang = [f for f in flags if not no_effect_dest(f)]
+    out = no_effect_lines(megatron)
+    if sglang:
+        out.insert(0, f"{', '.join(sglang)}: no effect with the embedded engine (rollout backend embedded); "
+                      "these size or speed up SGLang servers and apply with --rollout-backend sglang")
+    return out
 
 
 def no_effect_warning(flags: list[str]) -> str:
-    return (f"{', '.join(flags)}: no effect with the embedded engine (rollout backend embedded); "
-            "these size or speed up SGLang servers and apply with --rollout-backend sglang")
+    """`no_effect_warnings` as the text `relax-train` prints after "relax-train: warning: " (one line each)."""
+    return "\nrelax-train: warning: ".join(no_effect_warnings(flags))
 
 
 def unsupported_flags(config: Config, implemented: frozenset[str] = IMPLEMENTED) -> list[str]:
@@ -117,6 +148,8 @@ def unsupported_flags(config: Config, implemented: frozenset[str] = IMPLEMENTED)
             continue
         if dest in defaults and same_value(config[dest], defaults[dest]):
             continue
+        if dest in NO_EFFECT_REASONS:
+            continue  # accepted with a warning (`no_effect_flags`)
         name = names.get(dest, "--" + dest.replace("_", "-"))
         if is_sglang_server_flag(dest):
             if sglang_engines is None:
