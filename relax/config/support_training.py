@@ -53,6 +53,17 @@ TRAINING_FEATURES: frozenset[str] = ARCH_FEATURES | GPU_ONLY_FEATURES | frozense
     "moe_router_dtype", "moe_token_dispatcher_type",
     # the optimizer Megatron builds (tests/test_megatron_optimizer_choice.py)
     "optimizer", "sgd_momentum",
+    # --qkv-format: a deliberate difference from the reference. The trainer runs attention on right-padded
+    # micro-batches in both layouts (relax.backends.megatron.batching.make_micro_batches), so the results are the
+    # same; thd allows --use-dynamic-batch-size, bshd refuses it (relax.config.validate.check_batching).
+    # tests/test_megatron_flag_triage.py::test_qkv_format_is_accepted_and_bshd_refuses_dynamic_batching
+    "qkv_format",
+    # --train-backend: megatron is its only choice, and the trainer is Megatron's
+    "train_backend",
+    # --only-load-weight: forward-only roles (reference, teacher) always load model weights only and build no
+    # optimizer (MegatronTrainer.load_weights;
+    # tests/test_megatron_flag_triage.py::test_flags_asking_for_what_the_trainer_builds_are_what_it_builds)
+    "only_load_weight",
 })
 
 # Values of flags whose other values are not built yet (merge into relax.config.support.SUPPORTED_VALUES):

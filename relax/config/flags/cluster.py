@@ -38,7 +38,11 @@ def add_flags(parser):
     g.add_argument("--train-backend", type=str, default="megatron", choices=["megatron"],
                    help="Training backend.")
     g.add_argument("--qkv-format", type=str, default="thd", choices=["thd", "bshd"],
-                   help="Attention input layout for Megatron: packed (thd) or padded (bshd; needs --micro-batch-size, no dynamic batching).")
+                   help="Accepted for launch-script compatibility; unlike the reference, it does not change the "
+                        "attention layout: Relax's Megatron trainer always runs attention on right-padded "
+                        "micro-batches (each padded to its longest sample), so the results are the same either way. "
+                        "thd allows --use-dynamic-batch-size (token-budget micro-batches, the role packing plays); "
+                        "bshd refuses it and uses the fixed --micro-batch-size.")
     g.add_argument("--megatron-to-hf-mode", type=str, default="raw", choices=["raw", "bridge"],
                    help="How trainer weights are converted to Hugging Face names: Relax's own mapping (raw) or Megatron-Bridge.")
     g.add_argument("--true-on-policy-mode", action="store_true", default=False,
