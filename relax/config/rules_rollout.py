@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from relax.backends.relax_router.middleware import MiddlewareError, load_middleware_factory, middleware_paths
 from relax.config.errors import ConfigError
 from relax.config.eval_sets import eval_sets
 
@@ -79,5 +80,35 @@ def check_logging(v: dict, explicit) -> None:
         raise ConfigError("--log-reward-category needs the key of the category in the dict-valued reward")
 
 
-RULES: tuple = (check_debug, check_filters, check_logging)
+_ROUTER_FLAGS = {"slime_router_middleware_paths": "--slime-router-middleware-paths",
+                 "slime_router_timeout": "--slime-router-timeout",
+                 "slime_router_max_connections": "--slime-router-max-connections",
+                 "slime_router_health_check_failure_threshold": "--slime-router-health-check-failure-threshold"}
+
+
+def check_router(v: dict, explicit) -> None:
+    """--use-slime-router and its flags (relax.backends.relax_router); middlewares are imported here, before Ray."""
+    if not v.get("use_slime_router"):
+        for dest, name in _ROUTER_FLAGS.items():
+            if dest in explicit and v.get(dest):
+                raise ConfigError(f"{name} configures Relax's router: add --use-slime-router (or drop {name})")
+        return
+    if "sglang_router_policy" in explicit:
+        raise ConfigError("--sglang-router-policy chooses sglang-router's policy; Relax's router (--use-slime-router) "
+                          "routes by text prefix and load on its own: drop one of the two")
+    if v.get("slime_router_timeout") is not None and not v["slime_router_timeout"] > 0:
+        raise ConfigError(f"--slime-router-timeout must be > 0 seconds, got {v['slime_router_timeout']}")
+    if v.get("slime_router_max_connections") is not None and v["slime_router_max_connections"] < 1:
+        raise ConfigError(f"--slime-router-max-connections must be >= 1, got {v['slime_router_max_connections']}")
+    if v.get("slime_router_health_check_failure_threshold", 3) < 1:
+        raise ConfigError("--slime-router-health-check-failure-threshold must be >= 1, got "
+                          f"{v['slime_router_health_check_failure_threshold']}")
+    for path in middleware_paths(v.get("slime_router_middleware_paths")):
+        try:
+            load_middleware_factory(path)
+        except MiddlewareError as exc:
+            raise ConfigError(str(exc)) from None
+
+
+RULES: tuple = (check_debug, check_filters, check_logging, check_router)
 POST_DERIVE_RULES: tuple = (check_eval, check_multimodal)

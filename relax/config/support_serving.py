@@ -2,4 +2,19 @@
 test, naming both in a comment beside it."""
 
 SERVING_FEATURES: frozenset[str] = frozenset({
+    # Relax's router instead of sglang-router (relax/backends/relax_router/server.py, process.py; chosen in
+    # relax/roles/rollout.py): tests/test_relax_router.py (routing, threshold, deadline, process) and
+    # tests/test_relax_router_e2e.py (a run through it)
+    "use_slime_router",
+    # the chain of middlewares (relax/backends/relax_router/middleware.py, loaded before Ray by
+    # relax/config/rules_rollout.py check_router): tests/test_relax_router.py test_middleware_chain_runs_in_order,
+    # test_bad_middleware_paths_fail_naming_the_flag; the radix-tree token cache: test_relax_router_e2e.py
+    "slime_router_middleware_paths",
+    # the deadline of one engine request (server.py RelaxRouter.forward): test_request_deadline_answers_504_...
+    "slime_router_timeout",
+    # the size of the router's connection pool to the engines (server.py RelaxRouter.open): test_relax_router_e2e.py
+    "slime_router_max_connections",
+    # a worker failing N health checks / requests in a row is removed (server.py RelaxRouter.failed):
+    # test_failure_threshold_removes_a_failing_worker
+    "slime_router_health_check_failure_threshold",
 })

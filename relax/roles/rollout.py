@@ -148,9 +148,17 @@ class RolloutManager:
                 self.engines.append(EngineActor.options(**options).remote(
                     backend, c.hf_checkpoint, args, c.rollout_num_gpus_per_engine, log_dir, i))
             urls = ray.get([e.start.remote() for e in self.engines])
-        self.router = RouterProcess(host="127.0.0.1", port=c.sglang_router_port,
-                                    policy=c.sglang_router_policy or "round_robin",
-                                    log_path=os.path.join(log_dir, "router.log")).start()
+        if c.use_slime_router:  # Relax's own router (relax.backends.relax_router)
+            from relax.backends.relax_router.process import router_from_config
+            from relax.roles.engine import engine_bind_host
+
+            self.router = router_from_config(
+                c, host=engine_bind_host(), log_path=os.path.join(log_dir, "router.log"),
+                default_max_connections=rollout_concurrency(c, self.backend, len(urls)) + 8).start()
+        else:
+            self.router = RouterProcess(host="127.0.0.1", port=c.sglang_router_port,
+                                        policy=c.sglang_router_policy or "round_robin",
+                                        log_path=os.path.join(log_dir, "router.log")).start()
         for url in urls:
             self.add_engine(url)
         return urls
