@@ -43,6 +43,13 @@ its strided fallback silently casts everything to the first sample's dtype (meas
 
 Token ids must fit int32 and ``loss_mask`` values int8; out-of-range values raise
 ``OverflowError`` instead of wrapping.
+
+Stage fields (``relax.data.sample.STAGE_FIELDS``: old/ref/teacher log-probs, values, advantages, returns),
+in both layouts: one TransferQueue field per stage field, a bytes value per sample (the row as float32, the
+precision the trainers compute it in, so the round trip is exact for their rows). They are written after
+the rollout fields, by the stage that computes them, for samples already stored (``encode_stage_rows``,
+``DataPlane.put_fields``); a separate field per stage is what lets a stage add its result without
+rewriting the sample's record. Cost against the record alone: benchmarks/data_plane_fields_bench.py.
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from relax.data.sample import SAMPLE_FIELDS, Sample, check_fields, columns_to_samples
+from relax.data.sample import ROLLOUT_FIELDS, SAMPLE_FIELDS, STAGE_FIELDS, Sample, check_fields, columns_to_samples
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +86,9 @@ assert array.array("i").itemsize == 4 and array.array("b").itemsize == 1 and arr
 RECORD_FIELD = "record"
 
 assert set(INT_SCALAR_FIELDS + FLOAT_SCALAR_FIELDS + JAGGED_FIELDS + TEXT_FIELDS + OBJECT_FIELDS) == set(
-    SAMPLE_FIELDS
-), "every Sample field needs a storage kind"
+    ROLLOUT_FIELDS
+), "every rollout field of Sample needs a storage kind"
+assert set(ROLLOUT_FIELDS + STAGE_FIELDS) == set(SAMPLE_FIELDS)
 
 _warned_lossy_logprobs = False
 
@@ -122,8 +130,9 @@ def encode_samples(
     logprob_dtype: torch.dtype = torch.float32,
     check_precision: bool = True,
 ) -> TensorDict:
-    """Encode samples as a TensorDict with batch size ``len(samples)``."""
-    names = check_fields(fields)
+    """Encode samples as a TensorDict with batch size ``len(samples)`` (default: the rollout fields; stage
+    fields only when named, and then every sample must have them)."""
+    names = check_fields(fields) if fields is not None else ROLLOUT_FIELDS
     if not samples:
         raise ValueError("encode_samples needs at least one sample")
     _check_logprob_dtype(logprob_dtype)
@@ -137,6 +146,8 @@ def encode_samples(
         elif name in JAGGED_FIELDS:
             dtype = logprob_dtype if name == "response_logprobs" else _JAGGED_DTYPES[name]
             cols[name] = _jagged(values, dtype, check_precision and name == "response_logprobs")
+        elif name in STAGE_FIELDS:
+            cols[name] = encode_stage_rows(values, name)
         elif name in TEXT_FIELDS:
             for v in values:
                 if not isinstance(v, str):
@@ -167,7 +178,7 @@ def encode_records(
         if not isinstance(s.response_text, str) or not isinstance(s.status, str):
             raise TypeError("Sample.response_text and Sample.status must be str")
         values = []
-        for name in SAMPLE_FIELDS:
+        for name in ROLLOUT_FIELDS:
             v = getattr(s, name)
             if name in JAGGED_FIELDS:
                 code = lp_code if name == "response_logprobs" else _TYPECODES[_JAGGED_DTYPES[name]]
@@ -184,8 +195,31 @@ def encode_records(
     return TensorDict({RECORD_FIELD: NonTensorStack(*records)}, batch_size=[len(samples)])
 
 
+def encode_stage_rows(rows: Sequence[Sequence[float]], name: str = "stage field") -> NonTensorStack:
+    """A stage field's column: one float32 bytes value per sample."""
+    out = []
+    for row in rows:
+        if row is None:
+            raise ValueError(f"{name}: a sample has no row")
+        if isinstance(row, torch.Tensor):
+            out.append(row.detach().to(torch.float32).contiguous().numpy().tobytes())
+        else:
+            out.append(array.array("f", row).tobytes())
+    return NonTensorStack(*out)
+
+
+def decode_stage_rows(col: Any, batch_size: int) -> list[list[float]]:
+    """A stage field's column -> one list of floats per sample."""
+    rows = []
+    for value in _column_to_list(col, batch_size):
+        arr = array.array("f")
+        arr.frombytes(bytes(value) if not isinstance(value, bytes) else value)
+        rows.append(arr.tolist())
+    return rows
+
+
 def _decode_records(records: list[Any], names: tuple[str, ...]) -> dict[str, list[Any]]:
-    positions = [(name, SAMPLE_FIELDS.index(name)) for name in names]
+    positions = [(name, ROLLOUT_FIELDS.index(name)) for name in names]
     out: dict[str, list[Any]] = {name: [] for name in names}
     for rec in records:
         values = pickle.loads(bytes(rec) if not isinstance(rec, bytes) else rec)
@@ -245,13 +279,21 @@ def decode_columns(td: TensorDict | dict[str, Any], fields: Iterable[str] | None
     batch_size = int(td.batch_size[0]) if isinstance(td, TensorDict) else None
     if RECORD_FIELD in keys:
         col = td[RECORD_FIELD]
-        records = _column_to_list(col, batch_size if batch_size is not None else len(col))
-        return _decode_records(records, check_fields(fields))
+        n = batch_size if batch_size is not None else len(col)
+        names = check_fields(fields) if fields is not None else ROLLOUT_FIELDS + tuple(
+            f for f in STAGE_FIELDS if f in keys)
+        out = _decode_records(_column_to_list(col, n), tuple(f for f in names if f in ROLLOUT_FIELDS))
+        for name in names:
+            if name in STAGE_FIELDS:
+                out[name] = decode_stage_rows(td[name], n)
+        return out
     names = check_fields(fields) if fields is not None else tuple(f for f in SAMPLE_FIELDS if f in keys)
     out: dict[str, list[Any]] = {}
     for name in names:
         col = td[name]
-        if name in INT_SCALAR_FIELDS or name in FLOAT_SCALAR_FIELDS:
+        if name in STAGE_FIELDS:
+            out[name] = decode_stage_rows(col, batch_size if batch_size is not None else len(col))
+        elif name in INT_SCALAR_FIELDS or name in FLOAT_SCALAR_FIELDS:
             out[name] = _column_to_scalars(col)
         elif name in JAGGED_FIELDS:
             out[name] = _column_to_lists(col)

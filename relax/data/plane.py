@@ -24,6 +24,13 @@ Layouts (``start(layout=...)``, see ``relax.data.codec``): ``"columns"`` (defaul
 TransferQueue field per Sample field, token fields as jagged tensors) or ``"packed"`` (one
 bytes record per sample; ~3-5x faster on 2 CPU cores, opaque to other TransferQueue users).
 
+Stage fields (``relax.data.sample.STAGE_FIELDS``): ``put`` writes a step's samples with their rollout
+fields; each later stage adds its per-sample rows with ``put_fields(step, indexes, field=rows)`` to the
+samples already stored (a TransferQueue field of its own, written for the samples' existing global
+indexes). A read that names stage fields returns them on the Samples; a whole-step read
+(``batch_size=None``) raises ``MissingFieldError`` when a stored sample lacks one of them, so a stage that
+reads before its inputs were written fails by name instead of training on fewer samples.
+
 Pitfalls handled here (measured on transferqueue 0.1.11):
   * the controller and each storage unit reserve 1 Ray CPU; on a cluster with too few CPUs
     ``transfer_queue.init`` hangs forever -> ``start`` checks the cluster first.
@@ -48,9 +55,10 @@ import time
 from typing import Any, Iterable, Sequence
 
 import torch
+from tensordict import TensorDict
 
-from relax.data.codec import RECORD_FIELD, decode_samples, encode_records, encode_samples
-from relax.data.sample import SAMPLE_FIELDS, Sample, check_fields
+from relax.data.codec import RECORD_FIELD, decode_samples, encode_records, encode_samples, encode_stage_rows
+from relax.data.sample import ROLLOUT_FIELDS, STAGE_FIELDS, Sample, check_fields
 from relax.data.sampler import IndexOrderSampler
 
 os.environ.setdefault("TQ_NUM_THREADS", "1")  # TQ warns on every call when unset
@@ -87,6 +95,10 @@ def _controller_exists(wait_dead_s: float = 10.0) -> bool:
             if time.monotonic() > deadline:
                 raise RuntimeError("A dead TransferQueue controller still holds its name") from None
             time.sleep(0.2)
+
+
+class MissingFieldError(RuntimeError):
+    """A read named stage fields that some stored samples of the step do not have (yet)."""
 
 
 class DataPlane:
@@ -285,6 +297,9 @@ class DataPlane:
         self._check_open()
         if not samples:
             return 0
+        staged = sorted({f for s in samples for f in STAGE_FIELDS if getattr(s, f) is not None})
+        if staged:
+            raise ValueError(f"put writes the rollout fields; stage fields {staged} are added with put_fields")
         if self._layout == "packed":
             td = encode_records(samples, logprob_dtype=self._logprob_dtype)
         else:
@@ -327,16 +342,20 @@ class DataPlane:
         ``timeout_s``. With ``group_size=n`` only whole groups (``n`` samples sharing
         ``group_index``) are returned and ``k`` must be a multiple of ``n``. (Ordering and
         groups need the default ``IndexOrderSampler``.)
-        ``fields``: Sample fields to read (``index`` is always read); others keep defaults.
+        ``fields``: Sample fields to read (``index`` is always read; default: the rollout fields);
+        others keep defaults. Stage fields are read only when named.
         """
         self._check_open()
-        names = check_fields(fields)
+        names = check_fields(fields) if fields is not None else ROLLOUT_FIELDS
         if "index" not in names:
             names = ("index",) + names
         pid = self.partition_id(step)
         stored = self._storage_fields(names)
         if batch_size is None:
             meta = self._partition_meta(pid, stored)
+            staged = [f for f in names if f in STAGE_FIELDS]
+            if staged:
+                self._check_complete(step, pid, staged, 0 if meta is None else meta.size)
             if meta is None:
                 return []
         else:
@@ -346,7 +365,15 @@ class DataPlane:
                 raise ValueError(f"batch_size {batch_size} must be a multiple of group_size {group_size}")
             sampling_config = {"group_size": int(group_size)} if group_size else None
             deadline = time.monotonic() + timeout_s
+            staged = any(f in STAGE_FIELDS for f in names)
             while True:
+                # TransferQueue's sampler ignores fields that no sample of the partition has yet; until then
+                # nothing is ready
+                if staged and self._partition_meta(pid, stored) is None:
+                    if time.monotonic() >= deadline:
+                        return []
+                    time.sleep(poll_interval_s)
+                    continue
                 meta = self._client.get_meta(
                     data_fields=stored, batch_size=batch_size, partition_id=pid, mode="fetch", task_name=task_name,
                     sampling_config=sampling_config,
@@ -363,7 +390,64 @@ class DataPlane:
 
     def _storage_fields(self, names: Iterable[str]) -> list[str]:
         """TransferQueue fields holding the given Sample fields."""
-        return [RECORD_FIELD] if self._layout == "packed" else list(names)
+        names = list(names)
+        staged = [f for f in names if f in STAGE_FIELDS]
+        if self._layout == "packed":
+            return [RECORD_FIELD] + staged
+        return [f for f in names if f not in STAGE_FIELDS] + staged
+
+    def _check_complete(self, step: int, pid: str, staged: list[str], have: int) -> None:
+        meta = self._partition_meta(pid, self._storage_fields(["index"]))
+        stored = 0 if meta is None else meta.size
+        if have != stored:
+            raise MissingFieldError(f"step {step}: {stored - have} of {stored} stored samples have no "
+                                    f"{'/'.join(staged)} (the stage that writes it has not run for them)")
+
+    # ------------------------------------------------------------------ stage fields
+    def written_fields(self, step: int) -> list[str]:
+        """The stage fields every stored sample of step ``step`` has (in ``STAGE_FIELDS`` order): what
+        the stages run so far wrote. A field only some samples have is not listed."""
+        self._check_open()
+        pid = self.partition_id(step)
+        base = self._partition_meta(pid, self._storage_fields(["index"]))
+        if base is None:
+            return []
+        out = []
+        for name in STAGE_FIELDS:
+            meta = self._partition_meta(pid, self._storage_fields(["index", name]))
+            if meta is not None and meta.size == base.size:
+                out.append(name)
+        return out
+
+    def put_fields(self, step: int, indexes: Sequence[int], **rows: Sequence[Sequence[float]]) -> int:
+        """Add stage fields to samples of step ``step`` already stored: ``rows[field][i]`` belongs to
+        the sample whose ``Sample.index`` is ``indexes[i]`` (one float per response token). A field
+        written again for a sample replaces its row. Returns the number of samples written."""
+        self._check_open()
+        unknown = sorted(set(rows) - set(STAGE_FIELDS))
+        if unknown:
+            raise ValueError(f"not stage fields: {unknown}; known: {list(STAGE_FIELDS)}")
+        indexes = [int(i) for i in indexes]
+        for name, values in rows.items():
+            if len(values) != len(indexes):
+                raise ValueError(f"{name}: {len(values)} rows for {len(indexes)} samples")
+        if not indexes or not rows:
+            return 0
+        pid = self.partition_id(step)
+        meta = self._force_meta(pid, self._storage_fields(["index"]))
+        if meta is None:
+            raise RuntimeError(f"step {step}: no samples stored; nothing to add {sorted(rows)} to")
+        where = {int(m["index"]): pos for pos, m in enumerate(meta.get_all_custom_meta()) if "index" in m}
+        missing = [i for i in indexes if i not in where]
+        if missing:
+            raise RuntimeError(f"step {step}: samples {missing[:8]} are not stored; cannot add {sorted(rows)}")
+        if len(set(indexes)) != len(indexes):
+            raise ValueError(f"step {step}: a sample index is given twice")
+        target = meta.select_samples([where[i] for i in indexes])
+        td = TensorDict({name: encode_stage_rows(values, name) for name, values in rows.items()},
+                        batch_size=[len(indexes)])
+        self._client.put(td, metadata=target)
+        return len(indexes)
 
     def _force_meta(self, pid: str, names: list[str], check_exists: bool = True):
         """BatchMeta of every allocated sample of ``pid`` (written or not), or None if the
@@ -382,6 +466,8 @@ class DataPlane:
         meta = self._force_meta(pid, names)
         if meta is None:
             return None
+        if any(n not in meta.field_names for n in names):
+            return None  # a field no sample of the partition has yet: TransferQueue leaves it out of the status
         ready = [i for i, st in enumerate(meta.production_status.tolist()) if st == 1]
         if not ready:
             return None
@@ -403,7 +489,7 @@ class DataPlane:
     def size(self, step: int) -> int:
         """Number of fully-written samples held for ``step``."""
         self._check_open()
-        meta = self._partition_meta(self.partition_id(step), self._storage_fields(SAMPLE_FIELDS))
+        meta = self._partition_meta(self.partition_id(step), self._storage_fields(ROLLOUT_FIELDS))
         return 0 if meta is None else meta.size
 
     def steps(self) -> list[int]:

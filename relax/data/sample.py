@@ -6,6 +6,12 @@ unique within a training step; the data plane returns samples sorted by it.
 
 Column dicts (``samples_to_columns`` / ``columns_to_samples``) are the batched form:
 ``{field_name: [value_of_sample_0, value_of_sample_1, ...]}``.
+
+Two kinds of fields (``ROLLOUT_FIELDS``, ``STAGE_FIELDS``): the rollout writes a sample once with its rollout
+fields; each later stage of a training step (relax.core.stages) adds its own per-response-token field to the
+samples already stored (``DataPlane.put_fields``): ``old_logprobs`` (actor forward), ``ref_logprobs``
+(reference), ``teacher_logprobs`` (on-policy-distillation teacher), ``values`` (critic), ``advantages`` and
+``returns`` (advantage estimation). A stage field is None until its stage wrote it.
 """
 
 from __future__ import annotations
@@ -45,6 +51,10 @@ class Sample:
         rollout_step: training step whose rollout produced this sample.
         rollout_routed_experts: --use-rollout-routing-replay: the MoE experts the engine routed each token
             to, ``{"shape": [rows, layers * k], "b64": ...}`` (see ``relax.data.routes``), or None.
+        old_logprobs, ref_logprobs, teacher_logprobs, values, advantages, returns: stage fields (see the
+            module docstring), one float per response token, or None while not computed. With a
+            --custom-convert-samples-to-train-data-path function the trainer's fields (old log-probs,
+            advantages, returns) follow the converted sample's response.
     """
 
     index: int = -1
@@ -63,6 +73,12 @@ class Sample:
     metadata: dict[str, Any] = field(default_factory=dict)
     rollout_step: int = 0
     rollout_routed_experts: Any = None
+    old_logprobs: list[float] | None = None
+    ref_logprobs: list[float] | None = None
+    teacher_logprobs: list[float] | None = None
+    values: list[float] | None = None
+    advantages: list[float] | None = None
+    returns: list[float] | None = None
 
     def __post_init__(self) -> None:
         if self.status not in SAMPLE_STATUSES:
@@ -123,6 +139,9 @@ class Sample:
 
 
 SAMPLE_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Sample))
+STAGE_FIELDS: tuple[str, ...] = ("old_logprobs", "ref_logprobs", "teacher_logprobs", "values", "advantages",
+                                 "returns")
+ROLLOUT_FIELDS: tuple[str, ...] = tuple(f for f in SAMPLE_FIELDS if f not in STAGE_FIELDS)
 _SAMPLE_FIELD_SET = frozenset(SAMPLE_FIELDS)
 
 
