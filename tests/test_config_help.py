@@ -18,6 +18,7 @@ from relax.config import parse_config
 from relax.config.help_text import MEGATRON_HELP, RelaxHelpFormatter, format_value
 from relax.config.parser import actions_by_dest, build_parser
 from relax.config.support import IMPLEMENTED, is_sglang_server_flag, same_value
+from relax.config.support_megatron import NO_EFFECT_REASONS
 from relax.config.validate import DERIVED_FROM
 
 
@@ -113,10 +114,14 @@ def test_megatron_flags_say_what_they_do_or_that_they_are_not_built():
         if dest in honoured:
             assert "Not supported yet" not in text and not text.startswith("Megatron-LM flag"), dest
             assert text.startswith(MEGATRON_HELP[dest]), dest
+        elif dest in NO_EFFECT_REASONS:  # accepted with a warning (relax.config.support_megatron)
+            assert "no effect in Relax: " + NO_EFFECT_REASONS[dest] in text, dest
         else:
             assert "Not supported yet" in text, dest
     for dest in parser._relax_dests:
-        if dest not in IMPLEMENTED and not is_sglang_server_flag(dest):
+        if dest in NO_EFFECT_REASONS:
+            assert "no effect in Relax: " + NO_EFFECT_REASONS[dest] in helps[dest], dest
+        elif dest not in IMPLEMENTED and not is_sglang_server_flag(dest):
             assert "Not supported yet" in helps[dest], dest
         elif dest in IMPLEMENTED:
             assert "Not supported yet" not in helps[dest], dest

@@ -17,6 +17,7 @@ from typing import Any
 from relax.config.presets import EMBEDDED_PRESET, PRESET_NOTES
 from relax.config.rules_arch import ARCH_FLAG_HELP
 from relax.config.support import IMPLEMENTED, SUPPORTED_VALUES, is_sglang_server_flag, same_value
+from relax.config.support_megatron import NO_EFFECT_REASONS
 from relax.config.validate import DERIVED_FROM
 
 # What each Megatron flag that Relax honours controls, in Relax's terms (the flags in
@@ -54,6 +55,23 @@ MEGATRON_HELP: dict[str, str] = {
                                      "Adam. GPU only.",
     "moe_grouped_gemm": "Run each rank's experts as one grouped GEMM (Transformer Engine). GPU only.",
     "moe_permute_fusion": "Permute MoE tokens with Transformer Engine's fused kernels. GPU only.",
+    "moe_router_fusion": "Run the MoE router's top-k and softmax as Transformer Engine's fused kernels. GPU only.",
+    "use_torch_optimizer_for_cpu_offload": "With --optimizer-cpu-offload, step the CPU copy of the optimizer state "
+                                           "with torch's optimizer. GPU only.",
+    "disable_bf16_reduced_precision_matmul": "Switch off cuBLAS's reduced-precision reductions in bf16 matrix "
+                                             "products. GPU only.",
+    # switches asking for what the trainer always builds (relax.config.support_megatron.ALWAYS_SO)
+    "masked_softmax_fusion": "Run the masked softmax unfused. The trainer always does (no CUDA fusion kernels).",
+    "bias_gelu_fusion": "Run bias and activation unfused. The trainer always does (no CUDA fusion kernels).",
+    "bias_swiglu_fusion": "Run bias and activation unfused. The trainer always does (no CUDA fusion kernels).",
+    "bias_dropout_fusion": "Run bias, dropout and residual add unfused. The trainer always does (no CUDA fusion "
+                           "kernels).",
+    "apply_rope_fusion": "Apply rotary embeddings unfused. The trainer always does (no CUDA fusion kernels).",
+    "gradient_accumulation_fusion": "Accumulate weight gradients without the fused CUDA kernel. The trainer always "
+                                    "does.",
+    "no_persist_layer_norm": "Use the plain (non-persistent) layer norm. The trainer always does.",
+    "overlap_p2p_comm": "Do not overlap pipeline-parallel sends and receives with compute (interleaved schedule "
+                        "only). The trainer never overlaps them.",
     "optimizer": "The trainer's optimizer, built by Megatron: adam (AdamW, decoupled weight decay) or sgd (with "
                  "--sgd-momentum). muon, dist_muon and lion need a newer Megatron than the installed one.",
     "sgd_momentum": "Momentum of --optimizer sgd.",
@@ -117,7 +135,11 @@ def describe_flags(parser: argparse.ArgumentParser, megatron_dests: frozenset[st
         dest = action.dest
         if not action.option_strings or dest == "help":
             continue
-        if dest in megatron_dests:
+        if dest in NO_EFFECT_REASONS:  # accepted with a warning (relax.config.support_megatron)
+            # Relax's own text of such a flag describes the reference's behaviour, which Relax does not have.
+            own = _megatron_text(action.help) if dest in megatron_dests else ""
+            action.help = f"{own} Accepted for launch scripts; no effect in Relax: {NO_EFFECT_REASONS[dest]}.".strip()
+        elif dest in megatron_dests:
             if dest in IMPLEMENTED:
                 action.help = MEGATRON_HELP.get(dest) or _megatron_text(action.help)
             else:
