@@ -95,6 +95,7 @@ def test_gpu_stack_pins_agree_with_setup_py_and_megatron():
     assert reqs["megatron-core"].specifier.contains(pins["MEGATRON_CORE_VERSION"]), (
         f"setup.py pins {reqs['megatron-core']}, the image installs {pins['MEGATRON_CORE_VERSION']}")
     assert reqs["sglang-router"].specifier.contains(pins["SGLANG_ROUTER_VERSION"])
+    assert reqs["ray"].specifier.contains(pins["RAY_VERSION"])
     # Transformer Engine: the range megatron-core itself declares for its [dev] extra, read from the installed
     # megatron-core (the same release, as setup.py pins it), and the CUDA flavour the image's base provides.
     te = [Requirement(r) for r in metadata.requires("megatron-core") or [] if r.startswith("transformer-engine")]

@@ -190,6 +190,10 @@ class TwoNodeCluster:
 
 @pytest.fixture(scope="module")
 def cluster():
+    try:  # what `ray job submit` and the dashboard need beyond a plain `pip install ray`
+        import ray.dashboard.optional_deps  # noqa: F401
+    except ImportError as exc:
+        pytest.fail(f"Ray's job server needs ray[default] ({exc}); install it with pip install 'ray[default]'")
     cl = TwoNodeCluster()
     try:
         yield cl.start()
