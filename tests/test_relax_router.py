@@ -126,15 +126,21 @@ def test_token_cache_keeps_engine_tokens_and_tokenises_only_the_rest():
         def encode(self, text, add_special_tokens=False):
             return [ord(c) for c in text]
 
-    cache = TokenCache(Tok())
+    cache = TokenCache(Tok(), max_tokens=12)
     rec, cached = cache.lookup("ab")
-    assert rec.tokens == (97, 98) and rec.loss_mask == (0, 0) and cached == 0
-    cache.insert("ab" + "XY", TokenRecord((97, 98, 500), (0.0, 0.0, -1.0), (0, 0, 1), 2))  # 1 engine token for "XY"
+    assert rec.tokens.tolist() == [97, 98] and rec.loss_mask.tolist() == [0, 0] and cached == 0
+    cache.insert("ab" + "XY", TokenRecord.of((97, 98, 500), (0.0, 0.0, -1.0), (0, 0, 1), 2))  # 1 token for "XY"
     rec, cached = cache.lookup("abXY!")
-    assert rec.tokens == (97, 98, 500, 33) and rec.loss_mask == (0, 0, 1, 0) and cached == 3
-    assert rec.logprobs == (0.0, 0.0, -1.0, 0.0) and rec.weight_version == 2
-    cache.insert("abXY", TokenRecord((97, 98, 88, 89), (0.0,) * 4, (0, 0, 1, 1)))
-    assert cache.stats()["conflicts"] == 1
+    assert rec.tokens.tolist() == [97, 98, 500, 33] and rec.loss_mask.tolist() == [0, 0, 1, 0] and cached == 3
+    assert rec.logprobs.tolist() == [0.0, 0.0, -1.0, 0.0] and rec.weight_version == 2
+    cache.insert("abXY", TokenRecord.of((97, 98, 88, 89), (0.0,) * 4, (0, 0, 1, 1)))
+    assert cache.stats()["conflicts"] == 1 and cache.stats()["tokens"] == 4
+    # the token budget: 4 + 5 fit, a third entry of 5 drops the least recently used one
+    cache.insert("q", TokenRecord.of(range(5), [0.0] * 5, [1] * 5))
+    cache.lookup("abXY")
+    cache.insert("r", TokenRecord.of(range(5), [0.0] * 5, [1] * 5))
+    assert cache.stats()["evictions"] == 1 and cache.tree.get("q") is None and cache.tree.get("abXY") is not None
+    assert cache.stats()["tokens"] == 9
 
 
 # ---------------------------------------------------------------- routing
@@ -162,6 +168,11 @@ def test_routing_spreads_load_keeps_text_prefixes_and_presents_the_key():
                     first = first or body["text"]
                     assert body["text"] == first
                 assert all(a == f"Bearer {os.environ[ENGINE_API_KEY_ENV]}" for e in engines for a in e.auth)
+                # the router lends its key to no one: a control endpoint without it is refused, not forwarded
+                n = len(engines[0].auth) + len(engines[1].auth)
+                assert (await post(s, url + "/update_weights_from_disk", {"model_path": "/x"}, key=False))[0] == 401
+                assert (await post(s, url + "/flush_cache", {}, key=False))[0] == 401
+                assert len(engines[0].auth) + len(engines[1].auth) == n
                 status, body = await post(s, url + "/flush_cache", {})  # to every engine
                 assert status == 200 and sorted(body["workers"]) == sorted(e.url for e in engines)
         finally:
@@ -343,10 +354,12 @@ def test_router_process_membership_and_dies_with_its_parent(tmp_path):
     engine = loop.run_until_complete(FakeEngine("p").start())
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    router = RelaxRouterProcess(request_timeout_s=5, health_interval_s=0.2, log_path=str(tmp_path / "r.log"))
+    router = RelaxRouterProcess(request_timeout_s=5, health_interval_s=0.2, log_path=str(tmp_path / "r.log"),
+                                worker_urls=[engine.url])
     try:
         router.start()
-        router.add_worker(engine.url)
+        assert router.worker_urls() == [engine.url]
+        router.add_worker(engine.url)  # joining twice changes nothing
         assert router.worker_urls() == [engine.url]
         r = requests.post(router.url + "/generate", json={"input_ids": [1]}, timeout=10)
         assert r.status_code == 200 and r.json()["text"] == "<p>"

@@ -48,6 +48,7 @@ async def generate(ctx: Any, sample: Sample, sampling_params: dict) -> Sample:
     budget = int(sampling_params["max_new_tokens"])
     prompt = PromptEncoder.from_args(ctx.args, ctx.tokenizer).render(sample.prompt)
     text, used = prompt, 0  # `used`: response tokens so far (the engine's count, and the tool answers')
+    generated = 0  # the engine's tokens: the router must give back exactly as many with loss 1
     status = STATUS_TRUNCATED
     turns = tool_calls = 0
     version = sample.weight_version
@@ -60,7 +61,9 @@ async def generate(ctx: Any, sample: Sample, sampling_params: dict) -> Sample:
                                     timeout_s=ctx.timeout_s, retries=ctx.retries, what=sample.describe())
         meta = reply.get("meta_info", {})
         turns += 1
-        used += int(meta.get("completion_tokens", len(reply.get("output_ids", []))))
+        n_new = int(meta.get("completion_tokens", len(reply.get("output_ids", []))))
+        used += n_new
+        generated += n_new
         text += reply["text"]
         version = meta.get("weight_version", version)
         finish = (meta.get("finish_reason") or {}).get("type")
@@ -85,6 +88,10 @@ async def generate(ctx: Any, sample: Sample, sampling_params: dict) -> Sample:
     if got["tokens"][:n] != list(sample.prompt_tokens):
         raise RuntimeError(f"{sample.describe()}: the router's tokens of the prompt differ from the sample's "
                            "prompt tokens (a different tokenizer, or special tokens added?)")
+    if sum(got["loss_mask"]) != generated:
+        raise RuntimeError(f"{sample.describe()}: the router's radix cache gave {sum(got['loss_mask'])} engine tokens "
+                           f"for a conversation of {generated} (an entry dropped while the conversation ran? see "
+                           "its `evictions` at /radix_cache/stats)")
     sample.response_tokens = got["tokens"][n:]
     sample.response_logprobs = [float(x) for x in got["logprobs"][n:]]
     sample.loss_mask = [int(x) for x in got["loss_mask"][n:]]

@@ -43,6 +43,7 @@ class RelaxRouterProcess(RouterProcess):
         health_interval_s: float = 5.0,
         middleware_paths: Sequence[str] = (),
         tokenizer: str | None = None,
+        worker_urls: Sequence[str] = (),
         log_path: str | None = None,
         control_timeout_s: float = 30.0,
         exit_with_parent: bool = True,
@@ -52,6 +53,7 @@ class RelaxRouterProcess(RouterProcess):
         self.policy = "prefix_affinity"
         self.request_timeout_s = control_timeout_s  # the deadline of this object's own calls to the router
         self._legacy_api = False
+        self._initial_workers = list(worker_urls)  # joined once the router answers, as sglang-router's --worker-urls
         cmd = build_relax_router_command(
             host, self.port, request_timeout_s=request_timeout_s, max_connections=max_connections,
             failure_threshold=failure_threshold, health_interval_s=health_interval_s,
@@ -66,6 +68,8 @@ class RelaxRouterProcess(RouterProcess):
         except (TimeoutError, RuntimeError) as exc:
             self.stop()
             raise RouterError(f"the Relax router did not start: {exc}\n--- log tail ---\n{self.log_tail()}") from None
+        for url in self._initial_workers:
+            self.add_worker(url)
         return self
 
     def evicted(self) -> dict[str, str]:

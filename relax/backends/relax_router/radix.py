@@ -2,7 +2,8 @@
 
 Two users: the router's prefix affinity (text -> worker that served it) and the token cache of
 `radix_middleware` (conversation text -> the token ids, log-probs and loss mask that produced it).
-Memory is bounded by `max_entries`: the least recently used entry is dropped first, and nodes left
+Memory is bounded by `max_entries` and, when given, `max_size` (the sum of the sizes given at insert,
+e.g. token counts): the least recently used entry is dropped first, and nodes left
 without a value or children are pruned (a valueless node with one child is merged into that child,
 so the tree stays compressed).
 """
@@ -16,7 +17,7 @@ V = TypeVar("V")
 
 
 class _Node:
-    __slots__ = ("edge", "children", "parent", "value", "has_value")
+    __slots__ = ("edge", "children", "parent", "value", "has_value", "size")
 
     def __init__(self, edge: str = "", parent: Optional["_Node"] = None):
         self.edge = edge
@@ -24,6 +25,7 @@ class _Node:
         self.parent = parent
         self.value: Any = None
         self.has_value = False
+        self.size = 0
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -35,10 +37,12 @@ def _common_prefix(a: str, b: str) -> int:
 
 
 class RadixTree(Generic[V]):
-    def __init__(self, max_entries: int = 100_000):
+    def __init__(self, max_entries: int = 100_000, max_size: Optional[int] = None):
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self.max_entries = int(max_entries)
+        self.max_size = max_size
+        self.size = 0
         self.root = _Node()
         # value-holding nodes, least recently used first (keyed by the node's identity)
         self._lru: "OrderedDict[int, _Node]" = OrderedDict()
@@ -47,8 +51,9 @@ class RadixTree(Generic[V]):
     def __len__(self) -> int:
         return len(self._lru)
 
-    def insert(self, key: str, value: V) -> Optional[V]:
-        """Set `key` to `value`; returns the value it replaces (None when new)."""
+    def insert(self, key: str, value: V, size: int = 1) -> Optional[V]:
+        """Set `key` to `value` (counting `size` towards `max_size`); returns the value it replaces (None when new).
+        The entry just inserted is never evicted, even when it alone exceeds `max_size`."""
         node, i = self.root, 0
         while i < len(key):
             child = node.children.get(key[i])
@@ -68,10 +73,12 @@ class RadixTree(Generic[V]):
             node = child
             i += common
         old = node.value if node.has_value else None
-        node.value, node.has_value = value, True
+        self.size += size - node.size
+        node.value, node.has_value, node.size = value, True, size
         self._lru[id(node)] = node
         self._lru.move_to_end(id(node))
-        while len(self._lru) > self.max_entries:
+        while len(self._lru) > 1 and (len(self._lru) > self.max_entries
+                                      or (self.max_size is not None and self.size > self.max_size)):
             _, victim = self._lru.popitem(last=False)
             self._drop(victim)
             self.evictions += 1
@@ -99,7 +106,8 @@ class RadixTree(Generic[V]):
         return value if n == len(key) and value is not None else None
 
     def _drop(self, node: _Node) -> None:
-        node.value, node.has_value = None, False
+        self.size -= node.size
+        node.value, node.has_value, node.size = None, False, 0
         while node is not self.root and not node.has_value:
             parent = node.parent
             if not node.children:  # a bare leaf: remove it

@@ -23,6 +23,8 @@ prompt prefix and fails loudly instead of training on other tokens.
 
 from __future__ import annotations
 
+import logging
+from array import array
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -31,23 +33,40 @@ from aiohttp import web
 from relax.backends.relax_router.middleware import ProxyRequest, ProxyResponse
 from relax.backends.relax_router.radix import RadixTree
 
+logger = logging.getLogger("relax.router.radix")
+
 MAX_ENTRIES = 50_000
+# Tokens kept over all entries (each entry holds its whole conversation: 13 bytes a token, so ~400 MB). An
+# entry dropped while its conversation still runs makes the next turn re-tokenise that conversation; the
+# example agent detects it (examples/multiturn/text_generate.py) and `evictions` counts drops.
+MAX_TOKENS = 32_000_000
 
 
 @dataclass(frozen=True)
 class TokenRecord:
-    tokens: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    loss_mask: tuple[int, ...]
+    """A conversation's tokens, as compact arrays (int32 ids, float64 log-probs as the engine sent them, int8 mask)."""
+
+    tokens: array
+    logprobs: array
+    loss_mask: array
     weight_version: Any = None
+
+    @classmethod
+    def of(cls, tokens, logprobs, loss_mask, weight_version: Any = None) -> "TokenRecord":
+        return cls(array("i", tokens), array("d", logprobs), array("b", loss_mask), weight_version)
+
+    def extended(self, tokens, logprobs, loss_mask, weight_version: Any = None) -> "TokenRecord":
+        return TokenRecord(self.tokens + array("i", tokens), self.logprobs + array("d", logprobs),
+                           self.loss_mask + array("b", loss_mask),
+                           self.weight_version if weight_version is None else weight_version)
 
 
 class TokenCache:
     """Text -> TokenRecord with longest-prefix lookup; the rest of a text is tokenised."""
 
-    def __init__(self, tokenizer: Any, max_entries: int = MAX_ENTRIES):
+    def __init__(self, tokenizer: Any, max_entries: int = MAX_ENTRIES, max_tokens: int = MAX_TOKENS):
         self.tokenizer = tokenizer
-        self.tree: RadixTree[TokenRecord] = RadixTree(max_entries)
+        self.tree: RadixTree[TokenRecord] = RadixTree(max_entries, max_size=max_tokens)
         self.hits = self.misses = self.conflicts = self.inserts = 0
 
     def encode(self, text: str) -> list[int]:
@@ -58,23 +77,26 @@ class TokenCache:
         matched, rec = self.tree.longest_prefix(text)
         if rec is None:
             self.misses += 1
-            rec, matched = TokenRecord((), (), ()), 0
+            rec, matched = TokenRecord.of((), (), ()), 0
         else:
             self.hits += 1
         rest = self.encode(text[matched:])
         if not rest:
             return rec, len(rec.tokens)
-        return TokenRecord(rec.tokens + tuple(rest), rec.logprobs + (0.0,) * len(rest),
-                           rec.loss_mask + (0,) * len(rest), rec.weight_version), len(rec.tokens)
+        return rec.extended(rest, [0.0] * len(rest), [0] * len(rest)), len(rec.tokens)
 
     def insert(self, text: str, record: TokenRecord) -> None:
-        old = self.tree.insert(text, record)
+        evictions = self.tree.evictions
+        old = self.tree.insert(text, record, size=len(record.tokens))
         self.inserts += 1
         if old is not None and old.tokens != record.tokens:
             self.conflicts += 1
+        if self.tree.evictions > evictions and evictions == 0:
+            logger.warning("the radix token cache is full (%d entries, %d tokens): least recently used "
+                           "conversations are dropped from now on", len(self.tree), self.tree.size)
 
     def stats(self) -> dict:
-        return {"entries": len(self.tree), "hits": self.hits, "misses": self.misses, "inserts": self.inserts,
+        return {"entries": len(self.tree), "tokens": self.tree.size, "hits": self.hits, "misses": self.misses, "inserts": self.inserts,
                 "conflicts": self.conflicts, "evictions": self.tree.evictions}
 
 
@@ -107,7 +129,7 @@ class RadixTreeMiddleware:
         # on the event loop: a fast tokenizer used from several threads at once can fail ("Already borrowed")
         record, cached = self.cache.lookup(text)
         fwd = {k: v for k, v in body.items() if k != "text"}
-        fwd["input_ids"] = list(record.tokens)
+        fwd["input_ids"] = record.tokens.tolist()
         fwd["return_logprob"] = True
         resp = await call_next(ProxyRequest(request.method, request.path, fwd, request.query, request.route_key))
         if resp.status != 200 or not isinstance(resp.body, (dict, list)):
@@ -119,9 +141,8 @@ class RadixTreeMiddleware:
                 continue
             ids, logprobs = got
             meta = answer.setdefault("meta_info", {})
-            self.cache.insert(text + answer["text"], TokenRecord(
-                record.tokens + tuple(ids), record.logprobs + tuple(logprobs),
-                record.loss_mask + (1,) * len(ids), meta.get("weight_version")))
+            self.cache.insert(text + answer["text"], record.extended(ids, logprobs, [1] * len(ids),
+                                                                     meta.get("weight_version")))
             meta["cached_prefix_tokens"] = cached
         return resp
 
@@ -133,8 +154,8 @@ class RadixTreeMiddleware:
         if not isinstance(body, dict) or not isinstance(body.get("text"), str):
             return web.json_response({"error": {"message": 'give {"text": "..."}'}}, status=400)
         record, cached = self.cache.lookup(body["text"])
-        return web.json_response({"tokens": list(record.tokens), "logprobs": list(record.logprobs),
-                                  "loss_mask": list(record.loss_mask), "weight_version": record.weight_version,
+        return web.json_response({"tokens": record.tokens.tolist(), "logprobs": record.logprobs.tolist(),
+                                  "loss_mask": record.loss_mask.tolist(), "weight_version": record.weight_version,
                                   "cached_tokens": cached})
 
     async def stats(self, _request: web.Request) -> web.Response:

@@ -55,6 +55,7 @@ ROUTER_OPEN_ENDPOINTS = OPEN_ENDPOINTS | {"/readiness"}
 BROADCAST_PATHS = frozenset({"/abort_request", "/flush_cache", "/pause_generation", "/continue_generation"})
 AFFINITY_SLACK = 4  # in-flight requests an engine may have above the least loaded one and still get its prefixes
 AFFINITY_MIN_CHARS = 16  # a shorter shared prefix is no reason to prefer an engine
+ROUTE_KEY_CHARS = 4096  # the start of a request that routing remembers (bounds the affinity tree's memory)
 HEALTH_TIMEOUT_S = 5.0
 
 
@@ -260,10 +261,11 @@ def _error(status: int, message: str) -> web.Response:
 def route_key_of(body: Any) -> Optional[str]:
     if isinstance(body, dict):
         if isinstance(body.get("text"), str):
-            return body["text"]
+            return body["text"][:ROUTE_KEY_CHARS]
         ids = body.get("input_ids")
-        if isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids):
-            return ",".join(map(str, ids)) + ","  # a token prefix is a text prefix of this spelling
+        if isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids[:ROUTE_KEY_CHARS]):
+            # a token prefix is a text prefix of this spelling
+            return (",".join(map(str, ids[:ROUTE_KEY_CHARS])) + ",")[:ROUTE_KEY_CHARS]
     return None
 
 
