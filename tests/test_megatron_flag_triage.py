@@ -173,3 +173,19 @@ def test_qkv_format_is_accepted_and_bshd_refuses_dynamic_batching(tmp_path):
     same = parse_config(base + ["--qkv-format", "thd", "--micro-batch-size", "2"])
     assert trainer_settings(bshd) == trainer_settings(same)
     assert unsupported_flags(parse_config(base + ["--train-backend", "megatron"])) == []
+
+
+def test_a_real_run_warns_once_per_no_effect_flag(tmp_path, prompt_file):
+    from conftest import relax_cli
+
+    # a missing model folder stops the run before Ray, after the warnings
+    proc = relax_cli("--log-interval", "1", "--train-iters", "5", "--hf-checkpoint", str(tmp_path / "no-model"),
+                     "--prompt-data", prompt_file, "--rollout-batch-size", "1", "--num-rollout", "1",
+                     "--output-dir", str(tmp_path))
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("relax-train: warning: ")]
+    assert warnings == [
+        "relax-train: warning: --log-interval has no effect: Relax logs every rollout step's metrics "
+        "(<output-dir>/metrics.jsonl, --use-tensorboard)",
+        "relax-train: warning: --train-iters has no effect: the run is --num-rollout (or --num-epoch) rollout "
+        "steps of --num-steps-per-rollout optimizer steps"], proc.stderr
+    assert "not supported yet" not in proc.stderr
