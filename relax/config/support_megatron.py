@@ -51,8 +51,9 @@ NO_EFFECT_REASONS: dict[str, str] = {
                             "step's loss and gradient norm back)"),
     "empty_unused_memory_level": ("Megatron-LM's training loop empties the CUDA cache; Relax frees the trainer's "
                                   "device memory between phases with --offload-train"),
-    "check_for_nan_in_loss_and_grad": ("Relax's trainer always stops on a non-finite loss or gradient "
-                                       "(FloatingPointError on every rank), whatever this flag says"),
+    "check_for_nan_in_loss_and_grad": ("Relax's trainer always stops on a non-finite loss, and on a non-finite "
+                                       "gradient unless --fp16's loss scaler skips that step (FloatingPointError "
+                                       "on every rank), whatever this flag says"),
     # logging
     "log_interval": "Relax logs every rollout step's metrics (<output-dir>/metrics.jsonl, --use-tensorboard)",
     "log_throughput": "Relax logs perf/tokens_per_s and perf/step_time every rollout step",
