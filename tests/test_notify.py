@@ -16,6 +16,7 @@ import yaml
 from conftest import relax_cli
 from relax.config import ConfigError, parse_config
 from relax.config.explain import resolved_values
+from relax.config.redact import redact_command
 from relax.entrypoints.train import main
 from relax.observability.notify import Notifier, check_urls, split_urls
 
@@ -171,7 +172,7 @@ def test_unreachable_endpoint_does_not_change_the_exit_code(tmp_path, monkeypatc
 
 
 def test_bad_url_stops_before_the_run(tmp_path, monkeypatch, capsys):
-    _use_controller(monkeypatch, pytest.fail)
+    _use_controller(monkeypatch, lambda config: pytest.fail("the run must not start"))
     assert main(["--output-dir", str(tmp_path / "out"), "--notify-urls", f"nosuchscheme://{SECRET}"]) == 2
     err = capsys.readouterr().err
     assert "relax-train: error: --notify-urls: Apprise cannot use URL 1 (nosuchscheme://<redacted>)" in err
@@ -194,3 +195,15 @@ def test_cli_run_failing_in_preflight_notifies_with_its_error_line(hook, tmp_pat
     written = proc.stdout + proc.stderr + "".join(p.read_text() for p in out.rglob("*") if p.is_file())
     assert SECRET not in written
     assert yaml.safe_load((out / "resolved_config.yaml").read_text())["notify_urls"] == "json://<redacted>"
+
+
+def test_argv_is_redacted_once_parsed(hook, tmp_path, monkeypatch):
+    """ClearML stores the command line of a `python -m` run and Ray the driver's: both read sys.argv."""
+    argv = ["relax-train", "--output-dir", str(tmp_path / "out"), f"--notify-urls={hook.url()}"]
+    monkeypatch.setattr(sys, "argv", list(argv))
+    seen = []
+    _use_controller(monkeypatch, lambda config: seen.append(list(sys.argv)) or 0)
+    assert main(argv[1:]) == 0
+    assert seen == [argv[:3] + ["--notify-urls=json://<redacted>"]]
+    assert redact_command(["x", "--notify-urls", f"json://{SECRET}/a, tgram://{SECRET}/b"]) == \
+        ["x", "--notify-urls", "json://<redacted>,tgram://<redacted>"]

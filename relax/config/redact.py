@@ -59,14 +59,21 @@ def redact_values(values: dict[str, Any]) -> dict[str, Any]:
 
 def redact_command(cmd: list[str]) -> list[str]:
     """A command line for a log: the value of an `--api-key`-like flag is masked (`--flag VALUE` or
-    `--flag=VALUE`)."""
+    `--flag=VALUE`), as are those of --train-env-vars and --notify-urls (which keeps each URL's scheme)."""
     out = list(cmd)
     for i, arg in enumerate(out):
-        name, eq, _ = arg.partition("=")
-        if not (name.startswith("--") and _SECRET_NAME.search(name)):
+        name, eq, value = arg.partition("=")
+        dest = name[2:].replace("-", "_")
+        if not (name.startswith("--") and (_SECRET_NAME.search(name) or dest in _WHOLE_VALUE_DESTS
+                                           or dest in _URL_PATH_DESTS)):
             continue
+        if not eq:
+            if i + 1 >= len(out):
+                continue
+            value = out[i + 1]
+        masked = _redact_url_path(value) if dest in _URL_PATH_DESTS else REDACTED
         if eq:
-            out[i] = f"{name}={REDACTED}"
-        elif i + 1 < len(out):
-            out[i + 1] = REDACTED
+            out[i] = f"{name}={masked}"
+        else:
+            out[i + 1] = masked
     return out

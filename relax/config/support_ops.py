@@ -2,6 +2,9 @@
 test, naming both in a comment beside it."""
 
 OPS_FEATURES: frozenset[str] = frozenset({
+    # relax/observability/clearml_sink.py (a MetricsWriter sink; the server/offline check before Ray is
+    # require_clearml_target in relax/entrypoints/train.py); tests/test_clearml_offline.py
+    "use_clearml",
     # relax/observability/notify.py, sent around run_controller by relax/entrypoints/train.py;
     # tests/test_notify.py and tests/test_clearml_offline.py (e2e)
     "notify_urls",

@@ -1,7 +1,8 @@
 """`relax-train` / `python -m relax.entrypoints.train`: parse, validate, then run the controller.
 
 Around the controller's run: `--notify-urls` messages (started before, finished or failed after, from its exit
-code; a failure's message is the first ERROR line the run logged).
+code; a failure's message is the first ERROR line the run logged), the `--use-clearml` target check, which
+has to happen before Ray starts, and the secrets of the command line masked in `sys.argv` once it is parsed.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 def main(argv: list[str] | None = None) -> int:
     from relax.config import ConfigError, parse_config
     from relax.config.explain import explain
+    from relax.config.redact import redact_command
     from relax.config.support import no_effect_flags, no_effect_warning, require_supported
     from relax.config.support_gpu import require_gpu_for
     from relax.observability.notify import FirstError, Notifier, last_step_summary
@@ -25,6 +27,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         require_supported(config)
         require_gpu_for(config)
+        if config.use_clearml:
+            # clearml is imported only when asked for: ~1 s of CPU at every start otherwise
+            from relax.observability.clearml_sink import require_clearml_target
+
+            require_clearml_target(config)
         notifier = Notifier.from_config(config)  # an URL Apprise cannot parse is a config error
         ignored = no_effect_flags(config)
         if ignored:
@@ -34,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from relax.core.controller import run_controller
 
+    # The config is parsed: from here on the process's own argv names secrets nowhere. ClearML records the
+    # command line of a `python -m` run, Ray the driver's; both read sys.argv.
+    sys.argv[:] = redact_command(sys.argv)
     first_error = FirstError()
     relax_log = logging.getLogger("relax")
     relax_log.addHandler(first_error)

@@ -1,4 +1,8 @@
-"""Per-step metrics: one JSON object per rollout step in metrics.jsonl, stdout, and TensorBoard.
+"""Per-step metrics: one JSON object per rollout step in metrics.jsonl, stdout, TensorBoard and ClearML.
+
+metrics.jsonl keeps every value as logged (a list-valued metric stays a list). TensorBoard and ClearML take
+scalars only: there a list `key` becomes `key/mean`, `key/p50`, `key/p90` and `key/max` (`scalars`).
+`--use-clearml` reports to a ClearML task (relax/observability/clearml_sink.py).
 
 `CollapseMonitor` reads each step's metrics and warns (logger `relax.collapse`: console and logs/relax.log),
 naming the step, when training has lost its signal:
@@ -27,6 +31,8 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
+
 collapse_log = logging.getLogger("relax.collapse")
 ENTROPY_FLOOR = 0.05  # nats per token; the collapsed embedded default sat at 0.04 (reward 0)
 SOLVED_REWARD = 0.9  # at or above this mean reward a low entropy is convergence, not collapse
@@ -37,7 +43,7 @@ _STDOUT_KEYS = ("rollout/reward_mean", "rollout/response_len_mean", "train/loss"
 
 class MetricsWriter:
     def __init__(self, output_dir: str, *, tensorboard_dir: str | None = None, experiment: str | None = None,
-                 stream=sys.stdout):
+                 stream=sys.stdout, clearml: Any = None):
         self.path = Path(output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", encoding="utf-8")
@@ -48,6 +54,9 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter  # optional (tensorboard), only with --use-tensorboard
 
             self._tb = SummaryWriter(log_dir=os.path.join(tensorboard_dir, experiment or "relax"))
+        self.clearml = clearml  # a relax.observability.clearml_sink.ClearMLSink, or None
+        self.last_record: dict[str, Any] | None = None
+        self.clearml_session: Path | None = None  # the offline session ClearML wrote (offline mode), once closed
 
     @classmethod
     def from_config(cls, config: Any) -> "MetricsWriter":
@@ -55,18 +64,28 @@ class MetricsWriter:
         if config.use_tensorboard:
             tb_dir = config.tb_project_name or os.environ.get("TENSORBOARD_DIR") or os.path.join(
                 config.output_dir, "tensorboard")
-        return cls(config.output_dir, tensorboard_dir=tb_dir, experiment=config.tb_experiment_name)
+        clearml = None
+        if config.use_clearml:
+            # Imported only with --use-clearml: importing clearml costs ~1 s of CPU at every start otherwise.
+            from relax.observability.clearml_sink import ClearMLSink
+
+            clearml = ClearMLSink.from_config(config)
+        return cls(config.output_dir, tensorboard_dir=tb_dir, experiment=config.tb_experiment_name, clearml=clearml)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         record = {"step": step, **{k: _plain(v) for k, v in sorted(metrics.items())}}
         self.monitor.check(step, record)
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+        self.last_record = record
+        if self._tb is not None or self.clearml is not None:
+            values = scalars(record)
+            if self._tb is not None:
+                for key, value in values.items():
                     self._tb.add_scalar(key, value, step)
-            self._tb.flush()
+                self._tb.flush()
+            if self.clearml is not None:
+                self.clearml.log(step, values)
         shown = " ".join(f"{k.split('/')[-1]}={record[k]:.4g}" for k in _STDOUT_KEYS if isinstance(record.get(k), float))
         print(f"[relax] step {step}: {shown}", file=self._stream, flush=True)
 
@@ -74,6 +93,13 @@ class MetricsWriter:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self.clearml is not None:
+            sink, self.clearml = self.clearml, None
+            try:
+                self.clearml_session = sink.close(resolved_config=self.path.parent / "resolved_config.yaml",
+                                                  final_metrics=self.last_record)
+            except Exception as exc:  # the run's own outputs are written; a dashboard failure must not hide them
+                logging.getLogger("relax.clearml").warning("closing the ClearML task failed: %s", exc)
 
 
 class CollapseMonitor:
@@ -129,7 +155,36 @@ class CollapseMonitor:
         return messages
 
 
+def scalars(record: Mapping[str, Any]) -> dict[str, float]:
+    """The finite numbers of a record for scalar-only backends (TensorBoard, ClearML): a list of numbers `key`
+    becomes `key/mean`, `key/p50`, `key/p90`, `key/max`; strings, empty lists and non-finite values are left out."""
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if key == "step" or isinstance(value, bool):
+            continue
+        if isinstance(value, (int, float)):
+            if math.isfinite(value):
+                out[key] = float(value)
+        elif isinstance(value, (list, tuple)):
+            out.update(summarise(key, value))
+    return out
+
+
+def summarise(key: str, values: list | tuple) -> dict[str, float]:
+    """`key/mean`, `key/p50`, `key/p90`, `key/max` of the finite numbers in `values` ({} when there are none)."""
+    nums = np.array([float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)
+                     and math.isfinite(v)], dtype=np.float64)
+    if nums.size == 0:
+        return {}
+    return {f"{key}/mean": float(nums.mean()), f"{key}/p50": float(np.percentile(nums, 50)),
+            f"{key}/p90": float(np.percentile(nums, 90)), f"{key}/max": float(nums.max())}
+
+
 def _plain(value: Any) -> Any:
+    if hasattr(value, "tolist") and getattr(value, "ndim", 0) > 0:  # tensors and arrays stay lists
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
     if hasattr(value, "item"):
         value = value.item()
     if isinstance(value, bool):
