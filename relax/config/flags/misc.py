@@ -56,16 +56,39 @@ def add_flags(parser):
                         "writes the resolved config to DIR/config.yaml.")
     g.add_argument("--check-weight-update-equal", action="store_true", default=False,
                    help="After each weight sync, compare every engine tensor with the trainer's.")
-    g.add_argument("--memory-snapshot-dir", type=str, default=".", help="Directory for memory snapshots.")
-    g.add_argument("--memory-snapshot-num-steps", type=int, default=None, help="Take memory snapshots for this many steps.")
+    g.add_argument("--memory-snapshot-dir", type=str, default=".",
+                   help="Directory for the memory records of --memory-snapshot-num-steps (one file per trainer rank).")
+    g.add_argument("--memory-snapshot-num-steps", type=int, default=None,
+                   help="Record the trainer ranks' memory over the run's first N training steps with "
+                        "--memory-recorder (off when unset).")
+    # Megatron-LM's profiler switches (its training arguments; the mirror does not carry them): same names,
+    # defaults and meaning, here applied to the trainer ranks' training calls.
+    g.add_argument("--use-pytorch-profiler", action="store_true", default=False,
+                   help="Megatron-LM's flag: profile the --profile-target sections with torch.profiler on steps "
+                        "[--profile-step-start, --profile-step-end) of the ranks in --profile-ranks; Chrome traces "
+                        "go to OUTPUT_DIR/profiles/<target>-step<N>-rank<R>.json.")
+    g.add_argument("--profile-step-start", type=int, default=10, help="Megatron-LM's flag: first profiled step.")
+    g.add_argument("--profile-step-end", type=int, default=12,
+                   help="Megatron-LM's flag: the step at which profiling stops (not profiled).")
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0],
+                   help="Megatron-LM's flag: global trainer ranks to profile.")
     g.add_argument("--profile-target", type=str, nargs="+", default=["train_overall"],
-                   choices=["train_overall", "train_actor", "train_log_probs"], help="What to profile.")
-    g.add_argument("--profile-with-stack", action="store_true", default=False, help="Record stacks in profiles.")
-    g.add_argument("--profile-with-memory", action="store_true", default=False, help="Record memory in profiles.")
-    g.add_argument("--profile-with-flops", action="store_true", default=False, help="Estimate FLOPs in profiles.")
-    g.add_argument("--memory-recorder", type=str, default="torch", choices=["torch", "memray"], help="Memory recorder.")
+                   choices=["train_overall", "train_actor", "train_log_probs"],
+                   help="What --use-pytorch-profiler profiles: the whole training call of a step (train_overall), "
+                        "the actor's optimizer updates (train_actor), the log-prob passes before them "
+                        "(train_log_probs).")
+    g.add_argument("--profile-with-stack", action="store_true", default=False,
+                   help="Record Python stacks in profiles (torch.profiler's with_stack).")
+    g.add_argument("--profile-with-memory", action="store_true", default=False,
+                   help="Record tensor memory in profiles (torch.profiler's profile_memory).")
+    g.add_argument("--profile-with-flops", action="store_true", default=False,
+                   help="Estimate FLOPs of matrix operations in profiles (torch.profiler's with_flops).")
+    g.add_argument("--memory-recorder", type=str, default="torch", choices=["torch", "memray"],
+                   help="What --memory-snapshot-num-steps records: PyTorch's CUDA allocator history (torch; GPU "
+                        "only) or the rank process's host allocations with memray.")
     g.add_argument("--enable-cuda-memory-check", action="store_true", default=False,
-                   help="Log free device memory around collectives and attach it to collective errors.")
+                   help="Log free GPU memory before every torch.distributed collective of the trainer ranks and add "
+                        "it to the message of a collective that fails (GPU only).")
 
     g = parser.add_argument_group("Network")
     g.add_argument("--http-proxy", type=str, default=None, help="HTTP proxy for outgoing requests.")
