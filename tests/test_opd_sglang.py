@@ -120,13 +120,13 @@ def _argv(assets, out, *extra):
 @pytest.mark.e2e
 def test_opd_sglang_end_to_end(assets, teacher_url):
     from conftest import run_steps
-    from relax.core.roles import TrainingAuxRoles
+    from relax.core.roles import AuxRoles
 
     out = assets[0] / "run"
     config = parse_config(_argv(assets, out, "--use-opd", "--opd-type", "sglang", "--rm-url", teacher_url,
                                 "--opd-kl-coef", "0.5"))
     def uses_http_teacher(controller):
-        assert isinstance(controller.aux, TrainingAuxRoles) and isinstance(controller.aux.teacher, SGLangTeacher)
+        assert isinstance(controller.aux, AuxRoles) and isinstance(controller.aux.teacher, SGLangTeacher)
 
     records = run_steps(config, after_start=uses_http_teacher)
     assert [r["step"] for r in records] == [0, 1]

@@ -207,7 +207,7 @@ def test_train_rollout_records_and_replays(trainer, moe_dir, tmp_path):
 
     trainer.compute_logprobs_and_routes, trainer.train_step = record, step
     try:
-        result = train_rollout(trainer, samples, config, {}, step=0)
+        result = train_rollout(trainer, samples, config, step=0)
     finally:
         del trainer.compute_logprobs_and_routes, trainer.train_step
     assert result["train/num_updates"] == 2.0 and result["train/loss"] == result["train/loss"]

@@ -1,5 +1,7 @@
 """Critic (value head) and PPO / OPD advantage wiring on one rank (no Ray), against formulas written out here."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -8,7 +10,7 @@ from relax.config import parse_config
 from relax.config.errors import ConfigError
 from relax.data.sample import Sample
 from relax.training.advantages import compute_advantages_and_returns, trainer_inputs
-from relax.training.step import CRITIC_RETURNS_KEY, train_critic, train_rollout
+from relax.training.step import train_critic, train_rollout
 
 torch.set_num_threads(1)
 
@@ -101,7 +103,7 @@ def test_critic_update_is_the_clipped_value_loss_and_fits_returns(model_dir):
     expected = float(alg.sample_mean(per_token, mask))
     assert 0 < float(m["clip_fraction"]) < 1
     before = {k: v.detach().clone() for k, v in critic.gpt_model.named_parameters()}
-    out = train_critic(critic, samples, config, old, returns, step=0)
+    out = train_critic(critic, _with(samples, values=old, returns=returns), config, step=0)
     assert out["critic/value_loss"] == pytest.approx(expected, rel=1e-4)
     assert out["critic/clip_fraction"] == pytest.approx(float(m["clip_fraction"]), abs=1e-6)
     assert out["critic/values_mean"] == pytest.approx(float((pad(current) * mask).sum() / mask.sum()), rel=1e-4)
@@ -113,8 +115,8 @@ def test_critic_update_is_the_clipped_value_loss_and_fits_returns(model_dir):
     losses = [out["critic/value_loss"]]
     for _ in range(6):  # unclipped regression on fixed targets goes down
         vals = [v.tolist() for v in critic.compute_values(trainer_inputs(samples, [0.0] * 6))]
-        losses.append(train_critic(critic, samples, _config("--advantage-estimator", "ppo", "--value-clip", "100"),
-                                   vals, returns)["critic/value_loss"])
+        losses.append(train_critic(critic, _with(samples, values=vals, returns=returns),
+                                   _config("--advantage-estimator", "ppo", "--value-clip", "100"))["critic/value_loss"])
     assert losses[-1] < 0.5 * losses[1], losses
 
 
@@ -196,15 +198,15 @@ def test_train_rollout_ppo_hands_returns_to_the_critic_and_respects_critic_only_
     actor = _trainer(model_dir, micro_batch_size=6)
     samples = _samples()
     values = _rand_rows(samples, 1)
-    extras = {"values": values, "values_sample_index": list(range(6))}
     config = _config("--advantage-estimator", "ppo", "--gamma", "0.95", "--lambd", "0.9",
                      "--num-critic-only-steps", "1")
     with pytest.raises(RuntimeError, match="critic"):
-        train_rollout(actor, samples, config, {}, step=0)
-    with pytest.raises(RuntimeError, match="other samples"):
-        train_rollout(actor, samples, config, {**extras, "values_sample_index": list(range(1, 7))}, step=0)
+        train_rollout(actor, samples, config, step=0)
+    with pytest.raises(RuntimeError, match="response tokens"):
+        train_rollout(actor, _with(samples, values=[v[:-1] for v in values]), config, step=0)
     before = {k: v.detach().clone() for k, v in actor.gpt_model.named_parameters()}
-    out = train_rollout(actor, samples, config, extras, step=0)  # a critic-only step
+    scored = _with(samples, values=values)
+    out = train_rollout(actor, scored, config, step=0)  # a critic-only step
     assert out["train/num_updates"] == 0 and "train/loss" not in out
     assert all(torch.equal(before[k], v) for k, v in actor.gpt_model.named_parameters())
     token_rewards = []
@@ -213,11 +215,16 @@ def test_train_rollout_ppo_hands_returns_to_the_critic_and_respects_critic_only_
         tr[max(t for t in range(len(tr)) if s.loss_mask[t])] = s.reward
         token_rewards.append(tr)
     _, exp_ret = _gae_by_hand(token_rewards, values, [s.loss_mask for s in samples], 0.95, 0.9)
-    for got, exp in zip(out[CRITIC_RETURNS_KEY], exp_ret):
+    for got, exp in zip([s.returns for s in scored], exp_ret):  # the returns the critic's update reads
         assert got == pytest.approx(exp, abs=1e-5)
-    out = train_rollout(actor, samples, config, extras, step=1)  # the actor trains from step 1 on
+    out = train_rollout(actor, _with(samples, values=values), config, step=1)  # the actor trains from step 1 on
     assert out["train/num_updates"] == 1 and out["train/grad_norm"] > 0
     assert any(not torch.equal(before[k], v) for k, v in actor.gpt_model.named_parameters())
+
+
+def _with(samples, **rows):
+    """Copies of `samples` carrying stage fields, as a read of the data plane gives them."""
+    return [dataclasses.replace(s, **{k: list(v[i]) for k, v in rows.items()}) for i, s in enumerate(samples)]
 
 
 # --------------------------------------------------------------------------- flags

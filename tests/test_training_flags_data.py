@@ -98,7 +98,7 @@ def _run(trainer, *args):
     HOOKS.seen.clear()
     config = _config("--loss-type", "custom_loss", "--custom-loss-function-path", f"{H}.capture_loss", *args)
     assert unsupported_flags(config) == []
-    out = train_rollout(trainer, _samples(), config, {}, step=0)
+    out = train_rollout(trainer, _samples(), config, step=0)
     assert len(HOOKS.seen) == 1  # one micro-batch of all 6 samples
     return out, HOOKS.seen[0]
 
@@ -133,13 +133,13 @@ def test_convert_samples_to_train_data_defines_tokens_masks_and_rewards(trainer)
 def test_convert_errors_name_the_problem(trainer):
     HOOKS.bad = lambda args, samples: {"tokens": [s.tokens for s in samples]}
     with pytest.raises(ValueError, match="response_lengths"):
-        train_rollout(trainer, _samples(), _config("--custom-convert-samples-to-train-data-path", f"{H}.bad"), {}, 0)
+        train_rollout(trainer, _samples(), _config("--custom-convert-samples-to-train-data-path", f"{H}.bad"), step=0)
     with pytest.raises(ValueError, match="'advantages' are used only with --disable-compute-advantages"):
         train_rollout(trainer, _samples(), _config("--custom-convert-samples-to-train-data-path",
-                                                   f"{H}.convert_with_advantages"), {}, 0)
+                                                   f"{H}.convert_with_advantages"), step=0)
     HOOKS.short = lambda args, samples: ([1.0], [1.0])
     with pytest.raises(ValueError, match="1 values for 6 samples"):
-        train_rollout(trainer, _samples(), _config("--custom-reward-post-process-path", f"{H}.short"), {}, 0)
+        train_rollout(trainer, _samples(), _config("--custom-reward-post-process-path", f"{H}.short"), step=0)
 
 
 def test_disable_compute_advantages_gives_zeros_or_the_converted_advantages(trainer):
@@ -154,7 +154,7 @@ def test_disable_compute_advantages_gives_zeros_or_the_converted_advantages(trai
     # the policy loss trains on the converted advantages (no loss-type needed): a real update
     config = _config("--disable-compute-advantages-and-returns", "--custom-convert-samples-to-train-data-path",
                      f"{H}.convert_with_advantages")
-    out = train_rollout(trainer, samples, config, {}, step=0)
+    out = train_rollout(trainer, samples, config, step=0)
     assert out["train/grad_norm"] > 0
 
 

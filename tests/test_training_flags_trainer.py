@@ -111,20 +111,20 @@ def test_keep_old_actor_computes_old_logprobs_with_the_kept_weights(model_dir):
     samples = _samples()
     base = trainer_inputs(samples, [0.0] * 6)
     with pytest.raises(RuntimeError, match="--keep-old-actor"):
-        train_rollout(trainer, samples, _capture_config("--keep-old-actor"), {}, step=0)
+        train_rollout(trainer, samples, _capture_config("--keep-old-actor"), step=0)
     trainer.keep_weights("old_actor")  # what TrainerWorker does at setup and at every weight push
     rollout_policy = trainer.compute_logprobs(base)
-    train_rollout(trainer, samples, _config(), {}, step=0)  # the actor moves on; the engines are not updated
+    train_rollout(trainer, samples, _config(), step=0)  # the actor moves on; the engines are not updated
     moved = trainer.compute_logprobs(base)
     assert max(float((a - b).abs().max()) for a, b in zip(moved, rollout_policy)) > 1e-3
     HOOKS.seen.clear()
-    train_rollout(trainer, samples, _capture_config("--keep-old-actor"), {}, step=1)
+    train_rollout(trainer, samples, _capture_config("--keep-old-actor"), step=1)
     olds = HOOKS.seen[0]["old_logprobs"]
     for i, row in enumerate(rollout_policy):
         assert torch.allclose(olds[i, :len(row)], row, atol=1e-6)  # the pre-update weights' log-probs
     # without the flag, one update per step uses the current log-probs (no old log-probs at all)
     HOOKS.seen.clear()
-    train_rollout(trainer, samples, _capture_config(), {}, step=2)
+    train_rollout(trainer, samples, _capture_config(), step=2)
     assert "old_logprobs" not in HOOKS.seen[0]
     # the kept weights were only swapped in: the current ones are back, exactly
     now = trainer.compute_logprobs(base)
@@ -158,7 +158,7 @@ def test_use_rollout_entropy_comes_from_the_logprob_pass(model_dir):
     assert objective.needs_entropy is False  # the training pass skips it: no entropy bonus
     assert PolicyObjective.from_config(_config("--use-rollout-entropy", "--entropy-coef", "0.1")).needs_entropy
     HOOKS.seen.clear()
-    train_rollout(trainer, samples, _capture_config("--use-rollout-entropy"), {}, step=0)
+    train_rollout(trainer, samples, _capture_config("--use-rollout-entropy"), step=0)
     got = HOOKS.seen[0]["old_entropy"]
     for i, row in enumerate(expected):
         assert torch.allclose(got[i, :len(row)], row, atol=1e-4), (got[i], row)
@@ -166,7 +166,7 @@ def test_use_rollout_entropy_comes_from_the_logprob_pass(model_dir):
     # the kept copy to get the metric's input)
     trainer.keep_weights("old_actor")
     _, ent = trainer.compute_logprobs_and_entropy(trainer_inputs(samples, [0.0] * 6))
-    out = train_rollout(trainer, samples, _config("--use-rollout-entropy", "--keep-old-actor"), {}, step=1)
+    out = train_rollout(trainer, samples, _config("--use-rollout-entropy", "--keep-old-actor"), step=1)
     mask = torch.stack([torch.nn.functional.pad(torch.ones(len(r)), (0, 8 - len(r))) for r in ent])
     padded = torch.stack([torch.nn.functional.pad(r, (0, 8 - len(r))) for r in ent])
     assert out["train/entropy"] == pytest.approx(float(alg.sample_mean(padded, mask)), rel=1e-5)
@@ -179,7 +179,7 @@ def test_true_on_policy_mode_checks_and_uses_the_engine_logprobs(model_dir):
     for s, row in zip(samples, exact):  # an engine that matches the trainer (float32: ~1e-6 in real runs)
         s.response_logprobs = (row + 1e-6).tolist()
     HOOKS.seen.clear()
-    out = train_rollout(trainer, samples, _capture_config("--true-on-policy-mode"), {}, step=0)
+    out = train_rollout(trainer, samples, _capture_config("--true-on-policy-mode"), step=0)
     assert 0 < out["train/true_on_policy_max_abs_diff"] < 1e-5
     olds = HOOKS.seen[0]["old_logprobs"]
     for i, s in enumerate(samples):  # the old policy is the engine's log-probs
@@ -191,10 +191,10 @@ def test_true_on_policy_mode_checks_and_uses_the_engine_logprobs(model_dir):
     samples[4].response_logprobs[1] += 0.01
     before = trainer.compute_logprobs(trainer_inputs(samples, [0.0] * 6))
     with pytest.raises(RuntimeError, match=r"step 3: --true-on-policy-mode: sample 4 token 1: .* by 0\.01"):
-        train_rollout(trainer, samples, _config("--true-on-policy-mode"), {}, step=3)
+        train_rollout(trainer, samples, _config("--true-on-policy-mode"), step=3)
     after = trainer.compute_logprobs(trainer_inputs(samples, [0.0] * 6))
     assert all(torch.equal(a, b) for a, b in zip(before, after))  # no update was made
     # a token outside the loss mask is not checked
     samples[4].loss_mask[1] = 0
-    out = train_rollout(trainer, samples, _config("--true-on-policy-mode"), {}, step=4)
+    out = train_rollout(trainer, samples, _config("--true-on-policy-mode"), step=4)
     assert out["train/true_on_policy_max_abs_diff"] < 1e-5

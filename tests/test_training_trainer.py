@@ -1,6 +1,8 @@
 """Trainer-side features on one rank (no Ray): KL loss through a real model, dynamic batch size, parameter
 freezing, optimizer reset, NaN/Inf stops, forward-only reference loading from checkpoints."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -70,11 +72,12 @@ def test_kl_loss_metric_is_the_formula_under_the_real_model(model_dir):
     expected = alg.sample_mean(alg.kl_estimate(pad(current), pad(ref), "k3", mask=mask), mask)
     config = _config("--use-kl-loss", "--kl-loss-coef", "0.5", "--kl-loss-type", "k3")
     with pytest.raises(RuntimeError, match="reference"):
-        train_rollout(trainer, samples, config, {}, step=0)
-    out = train_rollout(trainer, samples, config, {"ref_logprobs": ref, "ref_sample_index": list(range(6))}, step=0)
+        train_rollout(trainer, samples, config, step=0)
+    out = train_rollout(trainer, [dataclasses.replace(s, ref_logprobs=r) for s, r in zip(samples, ref)], config,
+                        step=0)
     assert out["train/kl"] == pytest.approx(float(expected), rel=1e-4)
     plain = _trainer(model_dir, micro_batch_size=6)
-    base = train_rollout(plain, samples, _config(), {}, step=0)
+    base = train_rollout(plain, samples, _config(), step=0)
     # the KL term moves the loss by exactly coef * KL (same weights, on-policy)
     assert out["train/loss"] - base["train/loss"] == pytest.approx(0.5 * float(expected), rel=1e-3)
 
@@ -163,7 +166,7 @@ def test_nan_loss_or_gradient_stops_the_step(model_dir):
     samples[2].response_logprobs = [float("inf")] * len(samples[2].response_tokens)  # engine garbage -> TIS inf
     samples[2].reward = float("nan")
     with pytest.raises(FloatingPointError, match=r"step 5 .*train/loss"):
-        train_rollout(trainer, samples, _config("--disable-rewards-normalization"), {}, step=5)
+        train_rollout(trainer, samples, _config("--disable-rewards-normalization"), step=5)
     assert all(torch.equal(before[k], v) for k, v in _params(trainer).items())
 
 

@@ -1,8 +1,10 @@
 """The controller: builds the roles as Ray actors and runs the synchronous RL loop.
 
-One step: rollout (engines behind the router) -> samples into the step's TransferQueue partition ->
-trainer group reads them, computes advantages and updates -> partition cleared -> weights pushed to
-every engine (versioned, verified) -> metrics -> checkpoint every --save-interval.
+One step is a list of stages (relax.core.stages), each reading its inputs from the step's TransferQueue
+partition and writing its per-sample results back: rollout (engines behind the router) -> reference /
+teacher log-probs, critic values, the actor's old log-probs -> advantages -> actor update (+ reference
+refresh, critic update) -> partition cleared -> weights pushed to every engine (versioned, verified) ->
+metrics -> checkpoint every --save-interval. `_loop` lists them in order.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from relax.core.colocate import ColocateProtocol
 from relax.core.placement import (cluster_has_gpus, colocated_bundles, create_placement_group, role_bundles,
                                   trainer_gpus)
 from relax.core.preflight import preflight
-from relax.core.roles import TrainingAuxRoles, build_aux_roles, launch_aux_groups
+from relax.core.roles import AuxRoles, build_aux_roles, launch_aux_groups
+from relax.core.stages import Stages
 from relax.data.plane import DataPlane
 from relax.models.embedded import build_embedded_assets
 from relax.observability.accounting import RunAccounting, step_problems
@@ -58,6 +61,7 @@ class Controller:
         self.engine_urls: list[str] = []
         self.start_step = 0
         self.aux = None
+        self.stages = None
         self.colocate = None
         self.deadlines = Deadlines.from_config(config)
         self.accounting = RunAccounting()  # where every sample went, step by step and for the whole run
@@ -103,8 +107,8 @@ class Controller:
         ]
         launched_aux = launch_aux_groups(c, use_gpu=use_gpu)
         # held from now on, so that a failing start-up shuts them down too
-        self.aux = TrainingAuxRoles(c, launched_aux.get("reference"), critic=launched_aux.get("critic"),
-                                    teacher=launched_aux.get("teacher"))
+        self.aux = AuxRoles(c, launched_aux.get("reference"), critic=launched_aux.get("critic"),
+                            teacher=launched_aux.get("teacher"))
         # The rollout side (manager, engines, router) is independent of the trainer until the first weight
         # push. Colocated roles share devices, so there the engines start after the trainer has taken its memory.
         self.rollout = RolloutManager.options(num_cpus=1, runtime_env={"env_vars": engine_key}).remote(c)
@@ -124,6 +128,7 @@ class Controller:
         logger.info("trainer: %d rank(s), data-parallel %d, %d parameters", actor_world, infos[0]["dp"],
                     infos[0]["params"])
         self.aux = build_aux_roles(c, use_gpu=use_gpu, data_plane=self.data, launched=launched_aux)
+        self.stages = Stages(c, self.aux, trainers=self._trainers, trainer0=self._trainer0, bounded=self._bounded)
         if not c.debug_train_only:  # train-only debugging replays saved rollouts: no engines
             if engines_ref is None:
                 engines_ref = self.rollout.start_engines.remote(pg_rollout)
@@ -161,10 +166,15 @@ class Controller:
                 # engines release, trainer reloads
                 metrics.update(self._colocate("release engines, reload trainer", step,
                                               lambda: self.colocate.before_train(step, will_sync)))
-                extras = self._aux_call("log-probs before the update", step, lambda: self.aux.pre_train(step))
-                outputs = self._trainers("train", "train step", step, step, extras)
-                self._aux_call("update after the actor's", step, lambda: self.aux.post_train(step, outputs[0]))
-                metrics.update(outputs[0])
+                # the step's stages, each writing its per-sample rows into the step's partition
+                metrics.update(self.stages.reference_logprobs(step))  # ref_logprobs
+                metrics.update(self.stages.teacher_logprobs(step))  # teacher_logprobs
+                metrics.update(self.stages.critic_values(step))  # values
+                metrics.update(self.stages.actor_forward(step))  # old_logprobs
+                metrics.update(self.stages.advantages(step))  # advantages, returns
+                metrics.update(self.stages.actor_update(step))
+                metrics.update(self.stages.reference_refresh(step))  # every --ref-update-interval steps
+                metrics.update(self.stages.critic_update(step))
             t2 = time.perf_counter()
             self._data_call("clear the step", step, self.data.clear)
             sync_time = 0.0
@@ -175,7 +185,6 @@ class Controller:
                                          c.update_weight_buffer_size)
                 sync = reports[0]
                 sync_time = time.perf_counter() - t2
-                self._aux_call("reference refresh", step, lambda: self.aux.after_weight_update(step))
                 metrics.update({"perf/weight_sync_bytes": float(sync["bytes"]),
                                 "perf/weight_sync_bytes_per_s": sync["bytes_per_s"],
                                 "weights/version": float(step + 1)})
@@ -220,6 +229,12 @@ class Controller:
         calls = [Call("trainer", action, rank=r, address=self._where(r), step=step) for r in range(len(refs))]
         return self._wait(self.workers, refs, calls, self.deadlines.train_s, FLAGS["train"])
 
+    def _trainer0(self, method: str, action: str, step: int | None, *args: Any) -> Any:
+        """`method(*args)` on trainer rank 0 alone (a stage that is not collective), within --train-step-timeout."""
+        ref = getattr(self.workers[0], method).remote(*args)
+        call = Call("trainer", action, rank=0, address=self._where(0), step=step)
+        return self._wait(self.workers[:1], [ref], [call], self.deadlines.train_s, FLAGS["train"])[0]
+
     def _where(self, rank: int) -> str | None:
         return self.worker_where[rank] if rank < len(self.worker_where) else None
 
@@ -255,12 +270,9 @@ class Controller:
             return ""
         return f"engine {', '.join(silent)} does not answer /health within {wait_s:g} s"
 
-    def _aux_call(self, action: str, step: int, fn: Any) -> Any:
-        names = [n for n in ("reference", "teacher", "critic") if getattr(self.aux, n, None) is not None]
-        if not names:
-            return fn()  # no auxiliary role: nothing is called
-        return run_bounded(fn, Call("/".join(names) or "auxiliary roles", action, step=step),
-                           deadline_s=self.deadlines.train_s, flag=FLAGS["train"])
+    def _bounded(self, role: str, action: str, step: int, fn: Any) -> Any:
+        """A driver-side call of an auxiliary role's stage, within --train-step-timeout."""
+        return run_bounded(fn, Call(role, action, step=step), deadline_s=self.deadlines.train_s, flag=FLAGS["train"])
 
     def _data_call(self, action: str, step: int, fn: Any) -> Any:
         return run_bounded(lambda: fn(step), Call("data plane (storage units)", action, step=step),

@@ -1,23 +1,18 @@
-"""Auxiliary roles around the actor: which ones a run needs, and their per-step hooks.
+"""The roles besides the actor and the rollout that a run's config needs, and when each is needed.
 
-The controller calls, every step:
-    extras = aux.pre_train(step)          # e.g. {"ref_logprobs": [...], "values": [...]} per sample index
-    ... actor trainer group trains with `extras` ...
-    aux.post_train(step, metrics)         # e.g. critic update; may add metrics
-    aux.after_weight_update(step)         # e.g. refresh the reference every --ref-update-interval
-A role is a group of Ray actors, created by `launch_aux_groups` (early, so their start-up overlaps the other roles')
-and set up by `build_aux_roles`; runs without such roles get `NoAuxRoles`.
-
-Roles built here, each one Ray actor per actor rank (the actor's parallel layout), in its own placement group:
-  * reference (--use-kl-loss / --kl-coef): `ref_logprobs` before the actor trains;
-  * teacher (--use-opd --opd-type megatron): `teacher_logprobs` before the actor trains (OPD advantages);
-    with --opd-type sglang the teacher is an SGLang-API server at --rm-url instead of a role
+Each is a group of Ray actors (one per actor rank, the actor's parallel layout, in its own placement group),
+created by `launch_aux_groups` (early, so their start-up overlaps the other roles') and set up by
+`build_aux_roles`; `AuxRoles` holds them (None where not needed). Their per-step work is a stage of the
+step (relax.core.stages), which reads the step's samples from the data plane and writes its result back as a
+stage field:
+  * reference (--use-kl-loss / --kl-coef): `compute(step)` writes `ref_logprobs`; every
+    --ref-update-interval steps the actor ranks copy their weights into it after the update;
+  * teacher (--use-opd --opd-type megatron): `compute(step)` writes `teacher_logprobs`; with --opd-type sglang
+    the teacher is an SGLang-API server at --rm-url instead of a role
     (relax.rollout.teacher_client.SGLangTeacher, called from the controller with the same interface);
-  * critic (--advantage-estimator ppo): `values` before the actor trains; the actor computes GAE advantages and
-    returns (relax.training.advantages) and hands the returns back in its result under
-    `relax.training.step.CRITIC_RETURNS_KEY`, which `post_train` takes out of the metrics to train the critic
-    (clipped value loss) and replaces by `critic/...` metrics. The critic is saved under `<iter dir>/critic`,
-    or `<--critic-save>/iter_XXXXXXX/critic` (a save root of its own, with its own marker).
+  * critic (--advantage-estimator ppo): `compute(step)` writes `values`; `train(step)` updates it (clipped value
+    loss) from the values and the GAE `returns` the advantage stage wrote. The critic is saved under
+    `<iter dir>/critic`, or `<--critic-save>/iter_XXXXXXX/critic` (a save root of its own, with its own marker).
 """
 
 from __future__ import annotations
@@ -39,35 +34,21 @@ from relax.core.placement import create_placement_group
 from relax.roles.critic import CriticWorker
 from relax.roles.reference import ReferenceWorker
 from relax.rollout.teacher_client import SGLangTeacher
-from relax.training.step import CRITIC_RETURNS_KEY, needs_critic, needs_reference, needs_teacher
 
 logger = logging.getLogger(__name__)
 
 
-class AuxRoles:
-    """The roles besides actor and rollout (reference, critic, ...)."""
-
-    def pre_train(self, step: int) -> dict[str, Any]:
-        return {}
-
-    def post_train(self, step: int, metrics: dict[str, float]) -> None:
-        return None
-
-    def after_weight_update(self, step: int) -> None:
-        return None
-
-    def save(self, path: str) -> None:
-        return None
-
-    def load(self, path: str) -> None:
-        return None
-
-    def shutdown(self) -> None:
-        return None
+def needs_reference(config: Any) -> bool:
+    """A reference model is needed for the KL loss term or KL reward shaping."""
+    return bool(config.use_kl_loss) or bool(config.kl_coef)
 
 
-class NoAuxRoles(AuxRoles):
-    pass
+def needs_critic(config: Any) -> bool:
+    return config.advantage_estimator == "ppo"
+
+
+def needs_teacher(config: Any) -> bool:
+    return bool(config.use_opd) and config.opd_type == "megatron"
 
 
 class WorkerGroup:
@@ -117,16 +98,11 @@ class WorkerGroup:
         logger.info("%s: %d rank(s), weights from %s", self.name, world, self.infos[0]["source"])
         return self
 
-    def gather_rows(self, step: int, key: str) -> tuple[list[list[float]], list[int], float]:
-        """(per-sample rows of `compute(step)[key]` in sample order, the samples' indices, seconds)."""
+    def compute(self, step: int) -> float:
+        """The group's stage of step `step`: every rank writes its share's rows to the data plane. Returns the
+        slowest rank's seconds."""
         parts = ray.get([w.compute.remote(step) for w in self.workers])
-        rows: list[Any] = [None] * parts[0]["num_samples"]
-        for part in parts:
-            for pos, row in zip(part["positions"], part[key]):
-                rows[pos] = row
-        if any(r is None for r in rows):
-            raise RuntimeError(f"step {step}: the {self.name} group left samples without {key}")
-        return rows, parts[0]["index"], max(p["seconds"] for p in parts)
+        return max(p["seconds"] for p in parts)
 
     def save(self, path: str) -> None:
         ray.get([w.save.remote(path) for w in self.workers])
@@ -153,82 +129,42 @@ class WorkerGroup:
 
 
 class ReferenceGroup(WorkerGroup):
-    """The reference role: one `ReferenceWorker` per actor rank, in its own placement group."""
+    """The reference role: one `ReferenceWorker` per actor rank; its stage writes `ref_logprobs`."""
 
     def __init__(self, config: Any, *, use_gpu: bool):
         super().__init__("reference", ReferenceWorker, config, use_gpu=use_gpu, args=("reference",))
 
-    def logprobs(self, step: int) -> tuple[list[list[float]], list[int], float]:
-        """(per-sample reference log-probs in sample order, the samples' indices, seconds)."""
-        return self.gather_rows(step, "logprobs")
-
 
 class TeacherGroup(WorkerGroup):
-    """The on-policy-distillation teacher: forward-only `ReferenceWorker`s with role "teacher"."""
+    """The on-policy-distillation teacher: forward-only `ReferenceWorker`s with role "teacher"; its stage writes
+    `teacher_logprobs`."""
 
     def __init__(self, config: Any, *, use_gpu: bool):
         super().__init__("teacher", ReferenceWorker, config, use_gpu=use_gpu, args=("teacher",))
 
-    def logprobs(self, step: int) -> tuple[list[list[float]], list[int], float]:
-        return self.gather_rows(step, "logprobs")
-
 
 class CriticGroup(WorkerGroup):
-    """The critic role: one `CriticWorker` per actor rank, in its own placement group."""
+    """The critic role: one `CriticWorker` per actor rank; its stages write `values` and update the critic."""
 
     def __init__(self, config: Any, *, use_gpu: bool):
         super().__init__("critic", CriticWorker, config, use_gpu=use_gpu)
 
-    def values(self, step: int) -> tuple[list[list[float]], list[int], float]:
-        return self.gather_rows(step, "values")
-
-    def train(self, step: int, old_values: list[list[float]], returns: list[list[float]]) -> dict[str, float]:
-        return ray.get([w.train.remote(step, old_values, returns) for w in self.workers])[0]
+    def train(self, step: int) -> dict[str, float]:
+        return ray.get([w.train.remote(step) for w in self.workers])[0]
 
 
-class TrainingAuxRoles(AuxRoles):
-    """Reference / teacher log-probs and critic values before each actor update; the critic's update after it;
-    reference refresh every --ref-update-interval steps (the actor ranks copy their weights to their reference
-    peers right after that step's update)."""
+class AuxRoles:
+    """The auxiliary role groups of a run (None where the config needs none) and their checkpoints."""
 
-    def __init__(self, config: Any, reference: ReferenceGroup | None, critic: CriticGroup | None = None,
+    def __init__(self, config: Any, reference: ReferenceGroup | None = None, critic: CriticGroup | None = None,
                  teacher: Any = None):  # a TeacherGroup, or an SGLangTeacher (--opd-type sglang)
         self.config = config
         self.reference = reference
         self.critic = critic
         self.teacher = teacher
-        self._values: dict[int, list[list[float]]] = {}
 
-    def pre_train(self, step: int) -> dict[str, Any]:
-        extras: dict[str, Any] = {}
-        if self.reference is not None:
-            rows, index, seconds = self.reference.logprobs(step)
-            extras["ref_logprobs"] = rows
-            extras["ref_sample_index"] = index
-            extras["ref_seconds"] = seconds
-            interval = self.config.ref_update_interval
-            if interval and (step + 1) % interval == 0:
-                extras["ref_update_targets"] = self.reference.workers
-        if self.teacher is not None:
-            rows, index, seconds = self.teacher.logprobs(step)
-            extras["teacher_logprobs"] = rows
-            extras["teacher_sample_index"] = index
-            extras["teacher_seconds"] = seconds
-        if self.critic is not None:
-            rows, index, seconds = self.critic.values(step)
-            extras["values"] = rows
-            extras["values_sample_index"] = index
-            extras["critic_seconds"] = seconds
-            self._values = {step: rows}
-        return extras
-
-    def post_train(self, step: int, metrics: dict[str, Any]) -> None:
-        returns = metrics.pop(CRITIC_RETURNS_KEY, None)
-        if self.critic is None:
-            return
-        if returns is None or step not in self._values:
-            raise RuntimeError(f"step {step}: the actor returned no GAE returns for the critic")
-        metrics.update(self.critic.train(step, self._values.pop(step), returns))
+    def names(self) -> list[str]:
+        return [n for n in ("reference", "teacher", "critic") if getattr(self, n) is not None]
 
     def _critic_dir(self, path: str) -> Path:
         if self.config.critic_save:
@@ -290,7 +226,7 @@ def build_aux_roles(config: Any, *, use_gpu: bool, data_plane: Any,
     """Set up the auxiliary role groups (`launched` by `launch_aux_groups`, or launched here) and, for
     --opd-type sglang, the HTTP client of --rm-url that stands in for the teacher group."""
     if config.debug_rollout_only:
-        return NoAuxRoles()
+        return AuxRoles(config)
     groups: dict[str, Any] = dict(launched) if launched is not None else launch_aux_groups(config, use_gpu=use_gpu)
     try:
         for group in groups.values():
@@ -301,10 +237,7 @@ def build_aux_roles(config: Any, *, use_gpu: bool, data_plane: Any,
         for group in groups.values():
             group.shutdown()
         raise
-    if not groups:
-        return NoAuxRoles()
-    return TrainingAuxRoles(config, groups.get("reference"), critic=groups.get("critic"),
-                            teacher=groups.get("teacher"))
+    return AuxRoles(config, groups.get("reference"), critic=groups.get("critic"), teacher=groups.get("teacher"))
 
 
 def save_to_own_root(group: Any, root: Path, name: str, config: Any) -> Path:

@@ -7,9 +7,9 @@ only). Resuming from `--load` restores the critic saved with that iteration (mod
 Optimizer: its own Adam with `--critic-lr` (default `--lr`) and `--critic-lr-warmup-iters`; the other
 optimizer and schedule flags are the actor's.
 
-Per step (driven by `relax.core.roles.CriticGroup`): `compute(step)` gives the values of this data-parallel
-rank's share of the step's samples (before the actor trains); `train(step, old_values, returns)` runs the
-clipped value-loss updates (`relax.training.step.train_critic`) once the actor has produced the GAE returns.
+Stages of a step (relax.core.stages): `compute(step)` writes the values of this data-parallel rank's share of
+the step's samples to the data plane (before the advantages); `train(step)` runs the clipped value-loss
+updates (`relax.training.step.train_critic`) from the values and the GAE returns the advantage stage wrote.
 """
 
 from __future__ import annotations
@@ -61,17 +61,20 @@ class CriticWorker(MegatronRank):
                 "params": sum(p.numel() for p in self.trainer.gpt_model.parameters())}
 
     def compute(self, step: int) -> dict[str, Any]:
-        """Values of this data-parallel rank's share (samples[dp_rank::dp]) of step `step`."""
+        """Stage: the values of this data-parallel rank's share (samples[dp_rank::dp]) of step `step`, written to
+        the data plane as `values`."""
         t0 = time.perf_counter()
-        samples = self.data.get(step)
+        samples = self.data.get(step, fields=("index", "prompt_tokens", "response_tokens"))
         layout = self.trainer.layout
-        positions = list(range(len(samples)))[layout.dp_rank::layout.dp]
-        inputs = [{"tokens": torch.tensor(samples[i].prompt_tokens + samples[i].response_tokens, dtype=torch.long),
-                   "response_length": len(samples[i].response_tokens)} for i in positions]
+        mine = samples[layout.dp_rank::layout.dp]
+        inputs = [{"tokens": torch.tensor(s.prompt_tokens + s.response_tokens, dtype=torch.long),
+                   "response_length": len(s.response_tokens)} for s in mine]
         values = self.trainer.compute_values(inputs) if inputs else []
-        return {"num_samples": len(samples), "index": [s.index for s in samples], "positions": positions,
-                "values": [v.tolist() for v in values], "seconds": time.perf_counter() - t0}
+        self.data.put_fields(step, [s.index for s in mine], values=values)
+        return {"samples": len(mine), "seconds": time.perf_counter() - t0}
 
-    def train(self, step: int, old_values: list[list[float]], returns: list[list[float]]) -> dict[str, float]:
-        samples = self.data.get(step)
-        return train_critic(self.trainer, samples, self.config, old_values, returns, step)
+    def train(self, step: int) -> dict[str, float]:
+        """Stage: the critic's update from the step's `values` and GAE `returns` (written by the advantage stage)."""
+        samples = self.data.get(step, fields=("index", "prompt_tokens", "response_tokens", "loss_mask", "values",
+                                              "returns"))
+        return train_critic(self.trainer, samples, self.config, step)

@@ -73,16 +73,18 @@ class ReferenceWorker(MegatronRank):
         return {"rank": self.rank, "dp": self.trainer.layout.dp, "source": source}
 
     def compute(self, step: int) -> dict[str, Any]:
-        """Reference log-probs of this data-parallel rank's share (samples[dp_rank::dp]) of step `step`."""
+        """Stage: the log-probs of this data-parallel rank's share (samples[dp_rank::dp]) of step `step`, written
+        to the data plane as `ref_logprobs` (`teacher_logprobs` for the teacher)."""
         t0 = time.perf_counter()
-        samples = self.data.get(step)
+        samples = self.data.get(step, fields=("index", "prompt_tokens", "response_tokens"))
         layout = self.trainer.layout
-        positions = list(range(len(samples)))[layout.dp_rank::layout.dp]
-        inputs = [{"tokens": torch.tensor(samples[i].prompt_tokens + samples[i].response_tokens, dtype=torch.long),
-                   "response_length": len(samples[i].response_tokens)} for i in positions]
+        mine = samples[layout.dp_rank::layout.dp]
+        inputs = [{"tokens": torch.tensor(s.prompt_tokens + s.response_tokens, dtype=torch.long),
+                   "response_length": len(s.response_tokens)} for s in mine]
         logprobs = self.trainer.compute_logprobs(inputs, self.config.rollout_temperature) if inputs else []
-        return {"num_samples": len(samples), "index": [s.index for s in samples], "positions": positions,
-                "logprobs": [lp.tolist() for lp in logprobs], "seconds": time.perf_counter() - t0}
+        name = "teacher_logprobs" if self.role == "teacher" else "ref_logprobs"
+        self.data.put_fields(step, [s.index for s in mine], **{name: logprobs})
+        return {"samples": len(mine), "seconds": time.perf_counter() - t0}
 
     def set_model_state(self, state: dict[str, Any]) -> None:
         self.trainer.set_model_state(state)

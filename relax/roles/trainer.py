@@ -7,18 +7,23 @@ import time
 from typing import Any
 
 import ray
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
+from relax.backends.megatron.arch import arch_for_run
+from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
 from relax.config.support_gpu import GPU_ONLY_REASONS
+from relax.data.plane import DataPlane
 from relax.roles.megatron_rank import MegatronRank
 from relax.rollout.rewards.runner import check_step_rewards, reward_name
+from relax.training.step import advantage_stage, check_rows, forward_stage, update_stage
 from relax.weights.sync import push_for_config
 
 logger = logging.getLogger(__name__)
 
 
 def trainer_settings(config: Any, *, forward_only: bool = False):
-    from relax.backends.megatron.trainer import TrainerSettings
-
     dynamic = bool(config.use_dynamic_batch_size)
     # Megatron: --recompute-activations is --recompute-granularity selective (checked in rules_recompute).
     granularity = config.recompute_granularity or ("selective" if config.recompute_activations else None)
@@ -61,12 +66,9 @@ class TrainerWorker(MegatronRank):
 
     def __init__(self, config: Any, rank: int, world_size: int, threads: int = 1):
         super().__init__(config, rank, world_size, threads)
+        self._batches: dict[int, Any] = {}  # step -> StepBatch, from the forward stage to the update
 
     def setup(self, master_addr: str, master_port: int, backend: str) -> dict[str, Any]:
-        from relax.backends.megatron.arch import arch_for_run
-        from relax.backends.megatron.trainer import MegatronTrainer
-        from relax.data.plane import DataPlane
-
         self.join_process_group(master_addr, master_port, backend)
         # The --hf-checkpoint model (architecture flags given with it were checked to agree before the run), else
         # the model the architecture flags describe, randomly initialised until --ref-load or --load fills it.
@@ -81,37 +83,79 @@ class TrainerWorker(MegatronRank):
         return {"rank": self.rank, "dp": self.trainer.layout.dp, "where": self.where(), "params": sum(
             p.numel() for p in self.trainer.gpt_model.parameters())}
 
-    def train(self, step: int, extras: dict[str, Any] | None = None) -> dict[str, float]:
-        """Read step `step` from the data plane, compute advantages, and run the optimizer steps.
-
-        `extras` holds per-sample inputs from auxiliary roles (see relax.core.roles), by sample order;
-        `ref_update_targets` (reference workers, one per rank) asks this rank to copy its weights there
-        after the update (--ref-update-interval). A step whose every reward failed is not trained on
-        (`relax.rollout.rewards.runner.check_step_rewards`); the failed ones are counted in the metrics.
-        """
-        from relax.training.step import train_rollout
-
-        extras = extras or {}
+    # ------------------------------------------------------------------ the actor's stages of a step
+    # Each reads its inputs from the step's partition and writes its per-sample outputs back as stage fields
+    # (relax.data.sample.STAGE_FIELDS); relax.core.stages calls them in order. What stays on this rank from the
+    # forward stage to the update is the step's `StepBatch` (relax.training.step).
+    def forward(self, step: int) -> dict[str, float]:
+        """Actor forward (every rank: the pass is collective): the old-policy log-probs of step `step`, written
+        as `old_logprobs` (by rank 0; every rank computed all of them) when the loss needs them. A step whose
+        every reward failed is not trained on (`relax.rollout.rewards.runner.check_step_rewards`)."""
+        t0 = time.perf_counter()
         samples = self.data.get(step)  # the whole step, in index order, on every rank
         failed = check_step_rewards(samples, step, reward_name(self.config))
-        result = train_rollout(self.trainer, samples, self.config, extras, step)
-        result["train/reward_failed_samples"] = float(failed)
-        targets = extras.get("ref_update_targets")
-        if targets:
-            t0 = time.perf_counter()
-            deadline = self.config.train_step_timeout or None  # --train-step-timeout; 0: no deadline
-            try:
-                ray.get(targets[self.rank].set_model_state.remote(self.trainer.model_state()), timeout=deadline)
-            except ray.exceptions.GetTimeoutError:
-                raise TimeoutError(f"reference rank {self.rank} did not take the refreshed weights within "
-                                   f"{deadline:g} s (--train-step-timeout)") from None
-            result["perf/ref_update_time"] = time.perf_counter() - t0
-        return result
+        batch, olds = forward_stage(self.trainer, samples, self.config, step)
+        batch.metrics["train/reward_failed_samples"] = float(failed)
+        if olds is not None and self.rank == 0:
+            self.data.put_fields(step, [s.index for s in batch.samples], old_logprobs=olds)
+        self._batches = {step: batch}  # a step's batch replaces the last one: one step in flight per rank
+        return {"perf/old_logprob_time": time.perf_counter() - t0}
+
+    def advantages(self, step: int) -> dict[str, float]:
+        """Advantages (rank 0 alone): from the rewards and the stage fields written so far (old, reference and
+        teacher log-probs, critic values), written as `advantages` (and `returns` with ppo)."""
+        t0 = time.perf_counter()
+        batch = self._batch(step)
+        inputs = [f for f in ("old_logprobs", "ref_logprobs", "values", "teacher_logprobs")
+                  if f in self.data.written_fields(step)]
+        rows = self._read_fields(batch, inputs)
+        advantages, returns, _ = advantage_stage(batch, self.config, **rows)
+        out = {"advantages": advantages} if returns is None else {"advantages": advantages, "returns": returns}
+        self.data.put_fields(step, [s.index for s in batch.samples], **out)
+        return {"perf/advantages_time": time.perf_counter() - t0}
+
+    def train(self, step: int) -> dict[str, float]:
+        """The actor's update (every rank) from the step's advantages, old and reference log-probs."""
+        batch = self._batches.pop(step, None) or self._batch(step)
+        wanted = ["advantages"] + (["old_logprobs"] if batch.has_old_logprobs else [])
+        if "ref_logprobs" in self.data.written_fields(step):
+            wanted.append("ref_logprobs")
+        rows = self._read_fields(batch, wanted)
+        return update_stage(self.trainer, batch, self.config, **rows)
+
+    def _batch(self, step: int):
+        batch = self._batches.get(step)
+        if batch is None:
+            raise RuntimeError(f"step {step}: the actor's forward stage has not run on rank {self.rank}")
+        return batch
+
+    def _read_fields(self, batch, names: list[str]) -> dict[str, Any]:
+        """The step's stage fields `names` as float32 rows aligned with the batch's samples."""
+        if not names:
+            return {}
+        stored = self.data.get(batch.step, fields=["index", "response_tokens", *names])
+        if [s.index for s in stored] != [s.index for s in batch.samples]:
+            raise RuntimeError(f"step {batch.step}: the data plane holds other samples than the actor's batch")
+        out = {}
+        for name in names:
+            rows = [getattr(s, name) for s in stored]
+            check_rows(batch.samples, rows, name, batch.step)  # the rows follow the trained responses
+            out[name] = [torch.tensor(r, dtype=torch.float32) for r in rows]
+        return out
+
+    def refresh_reference(self, step: int, targets: list[Any]) -> dict[str, float]:
+        """--ref-update-interval: copy this rank's weights into its reference peer (after the step's update)."""
+        t0 = time.perf_counter()
+        deadline = self.config.train_step_timeout or None  # --train-step-timeout; 0: no deadline
+        try:
+            ray.get(targets[self.rank].set_model_state.remote(self.trainer.model_state()), timeout=deadline)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"reference rank {self.rank} did not take the refreshed weights within "
+                               f"{deadline:g} s (--train-step-timeout)") from None
+        return {"perf/ref_update_time": time.perf_counter() - t0}
 
     def compute_logprobs(self, tokens: list[list[int]], response_lengths: list[int],
                          temperature: float = 1.0) -> list[list[float]]:
-        import torch
-
         inputs = [{"tokens": torch.tensor(t, dtype=torch.long), "response_length": n}
                   for t, n in zip(tokens, response_lengths)]
         return [lp.tolist() for lp in self.trainer.compute_logprobs(inputs, temperature)]
@@ -138,9 +182,6 @@ class TrainerWorker(MegatronRank):
             return named
         if (layout.tp_rank, layout.cp_rank, layout.dp_rank) != (0, 0, 0):
             return named  # not in rank 0's pipeline: its copy of the weights is not sent
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
         group = ps.get_pipeline_model_parallel_group()
         mine = [(name, t.detach().cpu()) for name, t in named]
         stages = [None] * layout.pp if self.rank == 0 else None

@@ -8,8 +8,9 @@ on) gives log pi_teacher(token_i | tokens_<i); the last len(response) entries ar
 T is --rollout-temperature (the student's old log-probs use it too); SGLang's /generate applies the sampling
 temperature to returned log-probs the way the server does (the embedded engine tempers them; T=1 is untempered).
 
-`SGLangTeacher` has the interface of the Megatron teacher group in relax.core.roles: `logprobs(step)` ->
-(rows in sample order, the samples' indices, seconds), and `shutdown()`.
+`SGLangTeacher` has the interface of the Megatron teacher group in relax.core.roles: `compute(step)` (the
+teacher stage: reads the step's samples from the data plane, writes their `teacher_logprobs` back) and
+`shutdown()`.
 """
 
 from __future__ import annotations
@@ -120,12 +121,14 @@ class SGLangTeacher:
             parts = list(pool.map(one, chunks))
         return [row for part in parts for row in part]
 
-    def logprobs(self, step: int) -> tuple[list[list[float]], list[int], float]:
-        """(teacher log-probs per sample of step `step` in sample order, the samples' indices, seconds)."""
+    def compute(self, step: int) -> float:
+        """Stage: the teacher log-probs of step `step`'s samples, written to the data plane as
+        `teacher_logprobs`. Returns the seconds it took."""
         t0 = time.perf_counter()
-        samples = self.data.get(step, fields=("prompt_tokens", "response_tokens"))
+        samples = self.data.get(step, fields=("index", "prompt_tokens", "response_tokens"))
         rows = self.score([(s.prompt_tokens, s.response_tokens) for s in samples])
-        return rows, [s.index for s in samples], time.perf_counter() - t0
+        self.data.put_fields(step, [s.index for s in samples], teacher_logprobs=rows)
+        return time.perf_counter() - t0
 
     def shutdown(self) -> None:
         self._session.close()

@@ -1,13 +1,23 @@
-"""One rollout step of the actor on one rank: samples (+ auxiliary inputs) -> optimizer updates -> metrics.
+"""One training step of the actor on one rank, as stages over the step's samples (no Ray): actor forward (old
+log-probs), advantages, update; and the critic's update.
 
-Plain code on a `MegatronTrainer` (no Ray), called by `relax.roles.trainer.TrainerWorker.train`.
+Plain code on a `MegatronTrainer`, called by the role methods of `relax.roles.trainer.TrainerWorker` (and
+`relax.roles.critic.CriticWorker`), which read each stage's inputs from the data plane and write its outputs
+back as stage fields (`relax.data.sample.STAGE_FIELDS`); `relax.core.stages` runs them in order.
+
+What a stage computes for the other stages is a per-sample row (old log-probs, advantages, returns). What
+stays on the rank between its stages is kept in a `StepBatch`: the samples as trained (after
+--custom-convert-samples-to-train-data-path), post-processed rewards, --use-rollout-entropy's entropy and the
+routing-replay routes (this pipeline stage's layers only, so not a per-sample field of the data plane).
+`train_rollout` runs the three actor stages in process, for tests and single-process use.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,88 +32,65 @@ from relax.training.objective import PolicyObjective, ValueObjective
 from relax.training.train_data import check_true_on_policy, train_samples
 
 
-def needs_reference(config: Any) -> bool:
-    """A reference model is needed for the KL loss term or KL reward shaping."""
-    return bool(config.use_kl_loss) or bool(config.kl_coef)
-
-
-def needs_critic(config: Any) -> bool:
-    return config.advantage_estimator == "ppo"
-
-
-def needs_teacher(config: Any) -> bool:
-    return bool(config.use_opd) and config.opd_type == "megatron"
-
-
 def actor_updates_at(config: Any, step: int) -> bool:
     """False while only the critic trains: --critic-train-only, or the first --num-critic-only-steps steps."""
     return not (config.critic_train_only or step < (config.num_critic_only_steps or 0))
 
 
-# per-sample rows an auxiliary role sends in `extras`: (rows key, sample-index key, what)
-_EXTRA_ROWS = (("ref_logprobs", "ref_sample_index", "reference log-probs"),
-               ("values", "values_sample_index", "critic values"),
-               ("teacher_logprobs", "teacher_sample_index", "teacher log-probs"))
-
-
-def check_rows(samples: Sequence[Sample], rows: Sequence[Sequence[float]], index: Sequence[int] | None,
-               what: str, step: int) -> None:
+def check_rows(samples: Sequence[Sample], rows: Sequence[Sequence[float]], what: str, step: int) -> None:
     if len(rows) != len(samples):
         raise RuntimeError(f"step {step}: {len(rows)} rows of {what} for {len(samples)} samples")
-    if index is not None and list(index) != [s.index for s in samples]:
-        raise RuntimeError(f"step {step}: {what} were computed for other samples")
     for row, s in zip(rows, samples):
         if len(row) != len(s.response_tokens):
             raise RuntimeError(f"step {step}: sample {s.index} has {len(s.response_tokens)} response tokens, "
                                f"{what} {len(row)}")
 
 
-def _check_extras(samples: Sequence[Sample], extras: dict[str, Any], step: int) -> None:
-    for key, index_key, what in _EXTRA_ROWS:
-        if extras.get(key) is not None:
-            check_rows(samples, extras[key], extras.get(index_key), what, step)
+def field_rows(samples: Sequence[Sample], name: str, what: str, step: int) -> list[torch.Tensor] | None:
+    """The samples' stage field `name` as float32 tensors, None when no sample has it; checked against the
+    response lengths."""
+    rows = [getattr(s, name) for s in samples]
+    if all(r is None for r in rows):
+        return None
+    if any(r is None for r in rows):
+        raise RuntimeError(f"step {step}: some samples have no {what}")
+    check_rows(samples, rows, what, step)
+    return [r.float() if isinstance(r, torch.Tensor) else torch.tensor(r, dtype=torch.float32) for r in rows]
 
 
-def _rows(extras: dict[str, Any], key: str) -> list[torch.Tensor] | None:
-    rows = extras.get(key)
-    return [torch.tensor(r, dtype=torch.float32) for r in rows] if rows is not None else None
+@dataclass
+class StepBatch:
+    """One step's training data on one actor rank, from the forward stage to the update (see the module
+    docstring). `fields` lists the stage fields the forward stage wrote (old log-probs, when needed)."""
+
+    step: int
+    samples: list[Sample]
+    received: int
+    raw_rewards: torch.Tensor
+    rewards: Optional[torch.Tensor]
+    given_advantages: Optional[list[torch.Tensor]]
+    custom_data: bool
+    num_updates: int
+    base: list[dict[str, Any]]
+    entropy: Optional[list[torch.Tensor]] = None
+    routes: Optional[list[torch.Tensor]] = None
+    on_policy_diff: Optional[float] = None
+    has_old_logprobs: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)  # the advantage stage's, reported with the update
+    seconds: float = 0.0  # compute time of this rank's stages so far (perf/train_compute_time)
 
 
-def train_rollout(trainer, samples: Sequence[Sample], config: Any, extras: dict[str, Any] | None = None,
-                  step: int = 0) -> dict[str, Any]:
-    """Advantages, old/reference log-probs, then `num_updates` optimizer steps on this rank's share.
-
-    `extras` (from relax.core.roles): `ref_logprobs`, `values` (ppo's critic), `teacher_logprobs` (--use-opd),
-    each one row per sample. With ppo the result also holds `CRITIC_RETURNS_KEY`: the GAE returns per sample
-    (lists of floats, not a metric), which the critic role takes out of the metrics as its targets.
-    While only the critic trains (`actor_updates_at` False) advantages and returns are computed but the actor
-    makes no update."""
-
+def forward_stage(trainer, samples: Sequence[Sample], config: Any, step: int = 0
+                  ) -> tuple[StepBatch, Optional[list[torch.Tensor]]]:
+    """Actor forward: the training data of the step's samples and their old-policy log-probs (None when the
+    loss does not need them; see `_old_logprobs`), with --true-on-policy-mode's check and the routing-replay
+    routes."""
     t0 = time.perf_counter()
-    extras = extras or {}
     if not samples:
         raise RuntimeError(f"step {step}: no samples in the data plane")
-    _check_extras(samples, extras, step)
     received = len(samples)
     custom_data = bool(config.custom_convert_samples_to_train_data_path or config.custom_reward_post_process_path)
-    samples, raw_rewards, rewards, given_advantages = train_samples(samples, config, extras, step)
-    objective = PolicyObjective.from_config(config)
-    ref_rows = extras.get("ref_logprobs")
-    if (objective.needs_ref or config.kl_coef) and ref_rows is None:
-        raise RuntimeError(f"step {step}: --use-kl-loss / --kl-coef need reference log-probs, but no reference "
-                           "role sent them")
-    ref = _rows(extras, "ref_logprobs")
-    values = _rows(extras, "values")
-    teacher = _rows(extras, "teacher_logprobs")
-    if needs_critic(config) and values is None:
-        raise RuntimeError(f"step {step}: --advantage-estimator ppo needs the critic's values, but no critic role "
-                           "sent them")
-    use_opd = bool(config.use_opd)
-    if use_opd and teacher is None:
-        raise RuntimeError(f"step {step}: --use-opd needs the teacher's log-probs, but no teacher role sent them")
-    update_actor = actor_updates_at(config, step)
-    layout = trainer.layout
-    temperature = config.rollout_temperature
+    samples, raw_rewards, rewards, given_advantages = train_samples(samples, config, step)
     gbs = config.global_batch_size or len(samples)
     num_updates = max(1, len(samples) // gbs)
     base = trainer_inputs(samples, [0.0] * len(samples))
@@ -117,33 +104,82 @@ def train_rollout(trainer, samples: Sequence[Sample], config: Any, extras: dict[
     on_policy_diff = None
     if config.true_on_policy_mode:
         on_policy_diff = check_true_on_policy(samples, recomputed, step)
+    batch = StepBatch(step=step, samples=list(samples), received=received, raw_rewards=raw_rewards, rewards=rewards,
+                      given_advantages=given_advantages, custom_data=custom_data, num_updates=num_updates, base=base,
+                      entropy=old_entropy, routes=routes, on_policy_diff=on_policy_diff,
+                      has_old_logprobs=olds is not None)
+    batch.seconds = time.perf_counter() - t0
+    return batch, olds
+
+
+def advantage_stage(batch: StepBatch, config: Any, *, old_logprobs: Sequence[torch.Tensor] | None = None,
+                    ref_logprobs: Sequence[torch.Tensor] | None = None, values: Sequence[torch.Tensor] | None = None,
+                    teacher_logprobs: Sequence[torch.Tensor] | None = None
+                    ) -> tuple[list[torch.Tensor], Optional[list[torch.Tensor]], dict[str, float]]:
+    """Advantages: (per-token advantages, per-token returns (ppo) or None, `train/...` metrics), from the
+    step's rewards and the other stages' rows (relax.training.advantages)."""
+    t0 = time.perf_counter()
+    step = batch.step
+    objective = PolicyObjective.from_config(config)
+    if (objective.needs_ref or config.kl_coef) and ref_logprobs is None:
+        raise RuntimeError(f"step {step}: --use-kl-loss / --kl-coef need reference log-probs, but no reference "
+                           "role wrote them")
+    if config.advantage_estimator == "ppo" and values is None:
+        raise RuntimeError(f"step {step}: --advantage-estimator ppo needs the critic's values, but no critic role "
+                           "wrote them")
+    if config.use_opd and teacher_logprobs is None:
+        raise RuntimeError(f"step {step}: --use-opd needs the teacher's log-probs, but no teacher role wrote them")
+    samples = batch.samples
     if config.disable_compute_advantages_and_returns:
-        advantages = given_advantages or [torch.zeros(len(s.response_tokens)) for s in samples]
+        advantages = batch.given_advantages or [torch.zeros(len(s.response_tokens)) for s in samples]
         returns, adv_metrics = None, {}
     else:
         advantages, returns, adv_metrics = compute_advantages_and_returns(
-            samples, config, old_logprobs=olds, ref_logprobs=ref, values=values, teacher_logprobs=teacher,
-            rewards=rewards)
+            samples, config, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, values=values,
+            teacher_logprobs=teacher_logprobs, rewards=batch.rewards)
+    metrics = {f"train/{key}": value for key, value in adv_metrics.items()}
+    if values is not None:
+        metrics["train/advantages_mean"] = _masked_mean(advantages, batch.base)
+    batch.metrics.update(metrics)
+    batch.seconds += time.perf_counter() - t0
+    return [a.float() for a in advantages], returns, metrics
+
+
+def update_stage(trainer, batch: StepBatch, config: Any, *, advantages: Sequence[torch.Tensor],
+                 old_logprobs: Sequence[torch.Tensor] | None = None,
+                 ref_logprobs: Sequence[torch.Tensor] | None = None) -> dict[str, float]:
+    """The actor's update: `num_updates` optimizer steps on this rank's share. While only the critic trains
+    (`actor_updates_at` False) the actor makes no update. The result merges the advantage stage's metrics
+    (`batch.metrics`, on the rank that computed them)."""
+    t0 = time.perf_counter()
+    step = batch.step
+    objective = PolicyObjective.from_config(config)
+    if objective.needs_ref and ref_logprobs is None:
+        raise RuntimeError(f"step {step}: --use-kl-loss needs reference log-probs, but no reference role wrote them")
+    samples = batch.samples
+    update_actor = actor_updates_at(config, step)
+    gbs = config.global_batch_size or len(samples)
+    num_updates = batch.num_updates
     inputs = trainer_inputs(samples, advantages)
     for i, x in enumerate(inputs):
-        if olds is not None:
-            x["old_logprobs"] = olds[i]
-        if ref is not None:
-            x["ref_logprobs"] = ref[i]
-        if routes is not None:
-            x["routed_experts"] = routes[i]
-        if old_entropy is not None:
-            x["old_entropy"] = old_entropy[i]
+        if old_logprobs is not None:
+            x["old_logprobs"] = old_logprobs[i]
+        if ref_logprobs is not None:
+            x["ref_logprobs"] = ref_logprobs[i]
+        if batch.routes is not None:
+            x["routed_experts"] = batch.routes[i]
+        if batch.entropy is not None:
+            x["old_entropy"] = batch.entropy[i]
     if config.save_debug_train_data:
         save_train_data(config.save_debug_train_data, step, _global_rank(), inputs, [s.index for s in samples])
     metrics: dict[str, list[float]] = {}
     for update in range(num_updates if update_actor else 0):
-        batch = inputs[update * gbs:(update + 1) * gbs]
-        mine, spread = dp_share(batch, layout, bool(config.balance_data))
+        part = inputs[update * gbs:(update + 1) * gbs]
+        mine, spread = dp_share(part, trainer.layout, bool(config.balance_data))
         for key, value in spread.items():
             metrics.setdefault(key, []).append(value)
         try:
-            out = trainer.train_step(mine, objective, temperature)
+            out = trainer.train_step(mine, objective, config.rollout_temperature)
         except FloatingPointError as exc:
             raise FloatingPointError(f"step {step} (update {update}): {exc}") from None
         for key in ("loss", "grad_norm"):
@@ -155,31 +191,39 @@ def train_rollout(trainer, samples: Sequence[Sample], config: Any, extras: dict[
     if config.reset_optimizer_states and update_actor:
         trainer.reset_optimizer_states()
     result: dict[str, Any] = {f"train/{k}": sum(v) / len(v) for k, v in metrics.items()}
-    for key, value in adv_metrics.items():
-        result[f"train/{key}"] = value
+    result.update(batch.metrics)
     if "train/kl" not in result and "train/kl_reward" in result:
         result["train/kl"] = result["train/kl_reward"]
-    if "ref_seconds" in extras:
-        result["perf/ref_logprob_time"] = float(extras["ref_seconds"])
-    if "teacher_seconds" in extras:
-        result["perf/teacher_logprob_time"] = float(extras["teacher_seconds"])
-    if "critic_seconds" in extras:
-        result["perf/critic_value_time"] = float(extras["critic_seconds"])
     result["train/num_updates"] = float(num_updates if update_actor else 0)
-    result["samples/trained"] = float(received if update_actor else 0)  # sample accounting (relax.observability)
-    if custom_data:
-        result["train/raw_reward_mean"] = float(raw_rewards.mean())
-        if rewards is not None:
-            result["train/reward_mean"] = float(rewards.mean())
-    if on_policy_diff is not None:
-        result["train/true_on_policy_max_abs_diff"] = on_policy_diff
-    if values is not None:
-        result["train/advantages_mean"] = _masked_mean(advantages, inputs)
-    if returns is not None:
-        result[CRITIC_RETURNS_KEY] = [r.tolist() for r in returns]
+    result["samples/trained"] = float(batch.received if update_actor else 0)  # sample accounting
+    if batch.custom_data:
+        result["train/raw_reward_mean"] = float(batch.raw_rewards.mean())
+        if batch.rewards is not None:
+            result["train/reward_mean"] = float(batch.rewards.mean())
+    if batch.on_policy_diff is not None:
+        result["train/true_on_policy_max_abs_diff"] = batch.on_policy_diff
     result["train/tokens"] = float(sum(len(x["tokens"]) for x in inputs))
-    result["perf/train_compute_time"] = time.perf_counter() - t0
+    batch.seconds += time.perf_counter() - t0
+    result["perf/train_compute_time"] = batch.seconds
     return result
+
+
+def train_rollout(trainer, samples: Sequence[Sample], config: Any, step: int = 0) -> dict[str, Any]:
+    """The actor's three stages of one step in this process: forward, advantages, update. The samples carry
+    the other roles' stage fields (`ref_logprobs`, `values`, `teacher_logprobs`), as a read of the data plane
+    gives them; like the data plane, each stage's rows are set on the samples (`old_logprobs`, `advantages`,
+    `returns`; for converted samples they follow the converted response). Returns the update's metrics."""
+    ref = field_rows(samples, "ref_logprobs", "reference log-probs", step)
+    values = field_rows(samples, "values", "critic values", step)
+    teacher = field_rows(samples, "teacher_logprobs", "teacher log-probs", step)
+    batch, olds = forward_stage(trainer, samples, config, step)
+    advantages, returns, _ = advantage_stage(batch, config, old_logprobs=olds, ref_logprobs=ref, values=values,
+                                             teacher_logprobs=teacher)
+    for i, s in enumerate(samples):
+        s.old_logprobs = olds[i].tolist() if olds is not None else None
+        s.advantages = advantages[i].tolist()
+        s.returns = returns[i].tolist() if returns is not None else None
+    return update_stage(trainer, batch, config, advantages=advantages, old_logprobs=olds, ref_logprobs=ref)
 
 
 def dp_share(batch: Sequence[dict[str, Any]], layout, balance: bool) -> tuple[list[dict[str, Any]], dict[str, float]]:
@@ -195,9 +239,6 @@ def dp_share(batch: Sequence[dict[str, Any]], layout, balance: bool) -> tuple[li
 
 def _global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-CRITIC_RETURNS_KEY = "critic_returns"  # not a metric: the critic role pops it from the actor's result
 
 
 def _replay_routes(trainer, base: Sequence[dict[str, Any]], config: Any) -> list[torch.Tensor] | None:
@@ -279,16 +320,17 @@ def _masked_mean(rows: Sequence[torch.Tensor], inputs: Sequence[dict[str, Any]])
     return total / max(count, 1.0)
 
 
-def train_critic(trainer, samples: Sequence[Sample], config: Any, old_values: Sequence[Sequence[float]],
-                 returns: Sequence[Sequence[float]], step: int = 0) -> dict[str, float]:
-    """The critic's updates of one step on one rank: the value loss (`ValueObjective`) against the GAE returns,
-    clipped around `old_values` (the values the advantages were computed with); the same split into
-    --global-batch-size updates and data-parallel shares as the actor's. Metrics are `critic/...`."""
+def train_critic(trainer, samples: Sequence[Sample], config: Any, step: int = 0) -> dict[str, float]:
+    """The critic's updates of one step on one rank: the value loss (`ValueObjective`) against the samples' GAE
+    `returns`, clipped around their `values` (the values the advantages were computed with); the same split
+    into --global-batch-size updates and data-parallel shares as the actor's. Metrics are `critic/...`."""
     t0 = time.perf_counter()
     if not samples:
         raise RuntimeError(f"step {step}: no samples in the data plane")
-    check_rows(samples, old_values, None, "old critic values", step)
-    check_rows(samples, returns, None, "critic returns", step)
+    old_values = field_rows(samples, "values", "old critic values", step)
+    returns = field_rows(samples, "returns", "critic returns", step)
+    if old_values is None or returns is None:
+        raise RuntimeError(f"step {step}: the critic's update needs the samples' values and GAE returns")
     objective = ValueObjective.from_config(config)
     inputs = []
     for s, v, r in zip(samples, old_values, returns):
@@ -296,8 +338,7 @@ def train_critic(trainer, samples: Sequence[Sample], config: Any, old_values: Se
         inputs.append({"tokens": torch.tensor(s.prompt_tokens + s.response_tokens, dtype=torch.long),
                        "response_length": n,
                        "loss_mask": torch.tensor(s.loss_mask or [1] * n, dtype=torch.float32),
-                       "old_values": torch.tensor(v, dtype=torch.float32),
-                       "returns": torch.tensor(r, dtype=torch.float32)})
+                       "old_values": v, "returns": r})
     gbs = config.global_batch_size or len(samples)
     num_updates = max(1, len(samples) // gbs)
     layout = trainer.layout

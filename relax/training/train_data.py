@@ -119,7 +119,20 @@ def convert_samples(samples: Sequence[Sample], config: Any, fn: Callable
     return out, raw, rewards, (advantages if "advantages" in data else None)
 
 
-def train_samples(samples: Sequence[Sample], config: Any, extras: dict[str, Any], step: int
+def scored_by_other_roles(config: Any) -> list[str]:
+    """The stage fields other roles compute on the stored samples' tokens: reference log-probs (--use-kl-loss /
+    --kl-coef), critic values (ppo), teacher log-probs (--use-opd)."""
+    out = []
+    if config.use_kl_loss or config.kl_coef:
+        out.append("ref_logprobs")
+    if config.advantage_estimator == "ppo":
+        out.append("values")
+    if config.use_opd:
+        out.append("teacher_logprobs")
+    return out
+
+
+def train_samples(samples: Sequence[Sample], config: Any, step: int
                   ) -> tuple[list[Sample], torch.Tensor, Optional[torch.Tensor], Optional[list[torch.Tensor]]]:
     """(samples to train on, raw rewards [B], post-processed rewards [B] or None, given advantages or None)."""
     fn = load_hook(config.custom_convert_samples_to_train_data_path, "--custom-convert-samples-to-train-data-path")
@@ -127,7 +140,7 @@ def train_samples(samples: Sequence[Sample], config: Any, extras: dict[str, Any]
         raw, rewards = post_process_rewards(samples, config)
         return list(samples), raw, rewards, None
     converted, raw, rewards, advantages = convert_samples(samples, config, fn)
-    aux = [k for k in ("ref_logprobs", "values", "teacher_logprobs") if extras.get(k) is not None]
+    aux = scored_by_other_roles(config)
     if aux and any(a.tokens != b.tokens for a, b in zip(samples, converted)):
         raise RuntimeError(f"step {step}: --custom-convert-samples-to-train-data-path changed the tokens of samples "
                            f"that auxiliary roles scored ({', '.join(aux)}); keep the tokens")
