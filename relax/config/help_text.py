@@ -42,6 +42,14 @@ MEGATRON_HELP: dict[str, str] = {
     "expert_model_parallel_size": "Split each MoE layer's experts over this many trainer ranks (Megatron's expert "
                                   "parallelism); it must divide the expert count and the trainer ranks per "
                                   "pipeline stage. Weight pushes gather the full experts for the engines.",
+    "expert_tensor_parallel_size": "Split each expert's matrices over this many ranks (Megatron's expert tensor "
+                                   "parallelism). Relax builds 1 (whole experts) or the --tensor-model-parallel-size "
+                                   "(split like the dense layers); Relax's default is 1, Megatron's unset value means "
+                                   "the TP size.",
+    "context_parallel_size": "Split every sequence over this many ranks (Megatron's context parallelism, in its "
+                             "load-balanced chunks); sequences are padded to a multiple of 2 x this. Dense models "
+                             "without pipeline parallelism. On GPU Transformer Engine's attention exchanges keys and "
+                             "values; on CPU Relax's own all-gather attention does.",
     "moe_router_dtype": "Precision of the MoE router's logits and softmax (fp32 or fp64); unset: the model's "
                         "compute dtype. Only for models with experts.",
     "moe_token_dispatcher_type": "How MoE tokens reach their experts' ranks. Relax's default and only choice is "
