@@ -4,6 +4,7 @@ once and never ends the run."""
 
 import json
 import logging
+import socket
 import sys
 import threading
 import types
@@ -65,8 +66,6 @@ def hook():
 
 
 def _closed_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
