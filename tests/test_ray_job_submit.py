@@ -31,7 +31,8 @@ import psutil
 import pytest
 import requests
 
-pytestmark = pytest.mark.e2e  # a whole run: Ray, trainer, engines (deselect with -m 'not e2e')
+# The cluster tests are whole runs (Ray, trainer, engines): marked e2e one by one (deselect with -m 'not e2e');
+# the script's own argument handling below is a unit test.
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -234,6 +235,7 @@ def _run_markers(p: psutil.Process) -> str | None:
     return next((m for m in RUN_PROCESS_MARKERS if m in text), None)
 
 
+@pytest.mark.e2e
 def test_submitted_run_spans_both_nodes_and_succeeds(cluster, tmp_path):
     out = tmp_path / "run"
     started = time.monotonic()
@@ -264,6 +266,7 @@ def test_submitted_run_spans_both_nodes_and_succeeds(cluster, tmp_path):
     print(f"two-node submit of 1 step: {took:.1f}s; roles by node {roles_by_node}")
 
 
+@pytest.mark.e2e
 def test_ray_job_stop_ends_every_actor_and_engine(cluster, tmp_path):
     out = tmp_path / "run"
     job_id = "relax-stop"
@@ -318,3 +321,30 @@ def test_ray_job_stop_ends_every_actor_and_engine(cluster, tmp_path):
     log = (out / "logs" / "relax.log").read_text()
     assert "interrupted by SIGTERM; shutting down" in log, log[-2000:]
     print(f"ray job stop: everything gone {time.monotonic() - stop_sent:.1f}s after the stop")
+
+
+def test_submit_script_builds_the_ray_job_submit_command(tmp_path):
+    """The script's command line, printed one argument a line instead of run (RAY_BIN): relax-train's flags pass
+    through as given, the job gets its id, working dir and stop grace period; a relative --output-dir, or none,
+    is refused before Ray is asked anything."""
+    fake_ray = tmp_path / "ray"
+    fake_ray.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n')
+    fake_ray.chmod(0o755)
+    env = {**_clean_env(), "RAY_BIN": str(fake_ray), "RAY_ADDRESS": "http://head:8265", "RELAX_JOB_ID": "j1",
+           "RELAX_STOP_WAIT_S": "45"}
+    proc = subprocess.run(["bash", str(SUBMIT), "--output-dir", "/shared/run", "--num-rollout", "2",
+                           "--custom-config-path", "a b.yaml"], capture_output=True, text=True, env=env, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "job", "submit", "--address", "http://head:8265", "--submission-id", "j1", "--runtime-env-json",
+        '{"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "45"}}', "--working-dir", str(ROOT), "--", "relax-train",
+        "--output-dir", "/shared/run", "--num-rollout", "2", "--custom-config-path", "a b.yaml"]
+    env.update(RELAX_WORKING_DIR="none", RELAX_NO_WAIT="1", RELAX_TRAIN="python -m relax.entrypoints.train")
+    proc = subprocess.run(["bash", str(SUBMIT), "--output-dir=/shared/run"], capture_output=True, text=True,
+                          env=env, timeout=30)
+    assert proc.returncode == 0 and "--working-dir" not in proc.stdout, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[-6:] == ["--no-wait", "--", "python", "-m", "relax.entrypoints.train",
+                                             "--output-dir=/shared/run"]
+    for bad in (["--output-dir", "runs/demo"], ["--num-rollout", "2"]):
+        proc = subprocess.run(["bash", str(SUBMIT), *bad], capture_output=True, text=True, env=env, timeout=30)
+        assert proc.returncode == 2 and "--output-dir" in proc.stderr and not proc.stdout, proc.stdout + proc.stderr
