@@ -11,7 +11,7 @@ setup(
     install_requires=[
         # torch is installed first as torch==2.13.0 (see scripts/setup.sh); the range admits it.
         "torch>=2.6,<2.14",
-        "ray>=2.40",
+        "ray[default]>=2.40",  # [default]: the job server and dashboard that `ray job submit` talks to
         # One Megatron: the release relax/config/megatron_table.py describes (INSTALLED_MEGATRON_CORE); 0.17+
         # need Python >= 3.12. A test checks the mirror against this version.
         "megatron-core==0.16.1",
