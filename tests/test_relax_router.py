@@ -300,6 +300,7 @@ def test_bad_middleware_paths_fail_naming_the_flag(tiny_model, prompt_file, tmp_
         parse_config(base + ["--use-slime-router", "--slime-router-middleware-paths", "no_such_module.Mw"])
     with pytest.raises(ConfigError, match="add --use-slime-router"):
         parse_config(base + ["--slime-router-timeout", "5"])
+    parse_config(base + ["--slime-router-health-check-failure-threshold", "3"])  # the default: a saved config's
     with pytest.raises(ConfigError, match="--slime-router-health-check-failure-threshold must be >= 1"):
         parse_config(base + ["--use-slime-router", "--slime-router-health-check-failure-threshold", "0"])
     cfg = parse_config(base + ["--use-slime-router", "--slime-router-timeout", "30", "--slime-router-max-connections",

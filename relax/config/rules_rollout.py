@@ -80,17 +80,18 @@ def check_logging(v: dict, explicit) -> None:
         raise ConfigError("--log-reward-category needs the key of the category in the dict-valued reward")
 
 
-_ROUTER_FLAGS = {"slime_router_middleware_paths": "--slime-router-middleware-paths",
-                 "slime_router_timeout": "--slime-router-timeout",
-                 "slime_router_max_connections": "--slime-router-max-connections",
-                 "slime_router_health_check_failure_threshold": "--slime-router-health-check-failure-threshold"}
+# Relax's router's flags with their reference defaults: another value without --use-slime-router has no effect.
+_ROUTER_FLAGS = {"slime_router_middleware_paths": ("--slime-router-middleware-paths", None),
+                 "slime_router_timeout": ("--slime-router-timeout", None),
+                 "slime_router_max_connections": ("--slime-router-max-connections", None),
+                 "slime_router_health_check_failure_threshold": ("--slime-router-health-check-failure-threshold", 3)}
 
 
 def check_router(v: dict, explicit) -> None:
     """--use-slime-router and its flags (relax.backends.relax_router); middlewares are imported here, before Ray."""
     if not v.get("use_slime_router"):
-        for dest, name in _ROUTER_FLAGS.items():
-            if dest in explicit and v.get(dest):
+        for dest, (name, default) in _ROUTER_FLAGS.items():
+            if dest in explicit and (v.get(dest) or None) != default:
                 raise ConfigError(f"{name} configures Relax's router: add --use-slime-router (or drop {name})")
         return
     if "sglang_router_policy" in explicit:
