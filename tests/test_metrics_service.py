@@ -298,8 +298,11 @@ def test_scrape_engine_metrics_sends_the_key(fake_engine):
 def test_service_watches_an_engine(service, fake_engine):
     actor, url, _ = service
     engine_url, _ = fake_engine
-    ray.get(actor.watch.remote("engine", 0, engine_url))  # first scrape at once, with the run's key
-    ray.get(actor.watch.remote("engine", 1, "http://127.0.0.1:9"))  # nothing there: counted, not fatal
+    reporter = MetricsReporter(True)
+    assert reporter.watch_engine("engine", 0, engine_url)  # first scrape at once, with the run's key
+    assert reporter.watch_engine("engine", 1, "http://127.0.0.1:9")  # nothing there: counted, not fatal
+    reporter.flush()
+    assert not MetricsReporter(False).watch_engine("engine", 2, engine_url)
     text = scrape(url)
     samples = check_exposition(text)
     assert ('relax_sglang:num_running_reqs{role="engine",rank="0",engine_type="unified",model_name="qwen",'
@@ -328,3 +331,20 @@ def test_store_names_and_collisions():
     assert samples["relax_flag"] == ['relax_flag{role="trainer",rank="0",step="0"} 1.0']
     assert [s["step"] for s in store.steps()] == [1, 2]  # keep_steps: the oldest step is dropped
     assert store.step_record(0) is None
+
+
+def test_watched_engines_are_scraped_again_and_again(ray_session):
+    actor, url = start_metrics_service(None, name="relax-metrics-fast", scrape_interval_s=0.2)
+    try:
+        ray.get(actor.watch.remote("engine", 0, "http://127.0.0.1:9"))
+        deadline = time.monotonic() + 20
+        errors = 0.0
+        while time.monotonic() < deadline and errors < 3:
+            time.sleep(0.3)
+            samples, _ = parse_prometheus_text(scrape(url))
+            errors = sum(s.value for s in samples if s.name == "relax_metrics_service_scrape_errors_total")
+        assert errors >= 3  # the first scrape, then the background thread's
+        ray.get(actor.unwatch.remote("engine", 0))
+    finally:
+        stop_metrics_service(actor)
+    assert_ray_released()

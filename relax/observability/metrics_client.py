@@ -87,6 +87,15 @@ class MetricsReporter:
         self._pending.append(handle.report.remote(str(role), str(rank), values, step, time.time()))
         return True
 
+    def watch_engine(self, role: str, rank: int | str, url: str) -> bool:
+        """Ask the service to scrape `url`/metrics in its own thread from now on (engines serving Prometheus
+        text: SGLang with `--enable-metrics`). Fire-and-forget like `report`; returns whether it was sent."""
+        handle = self._service() if self.enabled else None
+        if handle is None:
+            return False
+        self._pending.append(handle.watch.remote(str(role), str(rank), url))
+        return True
+
     def _room(self) -> bool:
         """Whether fewer than `max_pending` reports of this process are still unprocessed. Only looked at once
         the list is full, and then with `ray.wait(timeout=0)`, which returns at once."""

@@ -48,7 +48,7 @@ from urllib.parse import parse_qs, urlparse
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from relax.backends.auth import engine_api_key
+from relax.backends.auth import ENGINE_API_KEY_ENV, engine_api_key
 from relax.observability.metrics import summarise
 from relax.observability.metrics_client import (
     SERVICE_NAME,
@@ -384,9 +384,13 @@ def start_metrics_service(output_dir: str | os.PathLike | None = None, *, name: 
                           cls: type = MetricsService, num_cpus: float = 0.1, **kwargs: Any):
     """Create the service actor (named `name` in this job's namespace, on this node, ended with the job),
     wait for its server, write its URL to `output_dir`/metrics_service.url and log it. Returns (handle, url)."""
+    key = engine_api_key()
     actor = ray.remote(cls).options(
         name=name, namespace=ray.get_runtime_context().namespace, lifetime=None, num_cpus=num_cpus,
         max_concurrency=1, max_restarts=0,
+        # the run's engine key for scraping engines, handed on explicitly: a Ray started elsewhere (RAY_ADDRESS)
+        # carries no job environment
+        runtime_env={"env_vars": {ENGINE_API_KEY_ENV: key}} if key else None,
         # on the driver's node, where OUTPUT_DIR (and the URL written there) is
         scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True),
     ).remote(**kwargs)
