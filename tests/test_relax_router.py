@@ -294,8 +294,8 @@ def test_bad_middleware_paths_fail_naming_the_flag(tiny_model, prompt_file, tmp_
         with pytest.raises(MiddlewareError, match="--slime-router-middleware-paths") as err:
             load_middleware_factory(path)
         assert words in str(err.value)
-    base = ["--hf-checkpoint", tiny_model, "--prompt-data", prompt_file, "--rollout-batch-size", "2", "--num-rollout", "1",
-            "--output-dir", str(tmp_path)]
+    base = ["--hf-checkpoint", tiny_model, "--prompt-data", prompt_file, "--rollout-batch-size", "2",
+            "--num-rollout", "1", "--output-dir", str(tmp_path)]
     with pytest.raises(ConfigError, match="--slime-router-middleware-paths.*no_such_module"):
         parse_config(base + ["--use-slime-router", "--slime-router-middleware-paths", "no_such_module.Mw"])
     with pytest.raises(ConfigError, match="add --use-slime-router"):

@@ -110,7 +110,8 @@ def test_text_agent_trains_on_exactly_the_engine_tokens(stack):
                 matched_calls += 1
             else:
                 tool_turns += 1
-                assert tok.decode(seg).startswith("\n<|im_start|>tool\n") and s.response_logprobs[a:b] == [0.0] * len(seg)
+                assert tok.decode(seg).startswith("\n<|im_start|>tool\n")
+                assert s.response_logprobs[a:b] == [0.0] * len(seg)
         assert s.metadata["turns"] == sum(1 for m, _, _ in runs if m == 1)
         retokenised = tok.encode(render(s.prompt) + s.response_text, add_special_tokens=False)
         drift += retokenised != s.prompt_tokens + s.response_tokens

@@ -67,8 +67,8 @@ def load_middleware_factory(path: str) -> Callable[[Any], Any]:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
-        raise MiddlewareError(f"{MIDDLEWARE_FLAG}: cannot import module {module_name!r} ({type(exc).__name__}: {exc})") \
-            from None
+        raise MiddlewareError(f"{MIDDLEWARE_FLAG}: cannot import module {module_name!r} "
+                              f"({type(exc).__name__}: {exc})") from None
     if not hasattr(module, attr):
         raise MiddlewareError(f"{MIDDLEWARE_FLAG}: module {module_name!r} has no attribute {attr!r}")
     obj = getattr(module, attr)

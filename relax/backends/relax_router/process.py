@@ -86,7 +86,8 @@ class RelaxRouterProcess(RouterProcess):
         super().remove_worker(url, wait=wait, timeout_s=timeout_s)
 
 
-def router_from_config(config: Any, *, host: str, log_path: str | None, default_max_connections: int) -> RelaxRouterProcess:
+def router_from_config(config: Any, *, host: str, log_path: str | None,
+                       default_max_connections: int) -> RelaxRouterProcess:
     """The router `--use-slime-router` asks for. `--slime-router-timeout` unset: the deadline is
     `--generate-timeout` (the client's own); `--slime-router-max-connections` unset: as many as the
     rollout keeps requests in flight (`default_max_connections`), so the router never queues them."""

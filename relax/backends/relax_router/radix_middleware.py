@@ -96,8 +96,8 @@ class TokenCache:
                            "conversations are dropped from now on", len(self.tree), self.tree.size)
 
     def stats(self) -> dict:
-        return {"entries": len(self.tree), "tokens": self.tree.size, "hits": self.hits, "misses": self.misses, "inserts": self.inserts,
-                "conflicts": self.conflicts, "evictions": self.tree.evictions}
+        return {"entries": len(self.tree), "tokens": self.tree.size, "hits": self.hits, "misses": self.misses,
+                "inserts": self.inserts, "conflicts": self.conflicts, "evictions": self.tree.evictions}
 
 
 def _answer_tokens(answer: dict) -> Optional[tuple[list[int], list[float]]]:
