@@ -15,7 +15,7 @@ import requests
 from aiohttp import web
 from transformers import AutoTokenizer
 
-from conftest import shared_tiny_model
+from conftest import relax_cli, shared_tiny_model
 
 from relax.backends.auth import ENGINE_API_KEY_ENV, auth_headers, ensure_engine_api_key
 from relax.backends.net import find_free_port
@@ -298,6 +298,13 @@ def test_bad_middleware_paths_fail_naming_the_flag(tiny_model, prompt_file, tmp_
             "--num-rollout", "1", "--output-dir", str(tmp_path)]
     with pytest.raises(ConfigError, match="--slime-router-middleware-paths.*no_such_module"):
         parse_config(base + ["--use-slime-router", "--slime-router-middleware-paths", "no_such_module.Mw"])
+    # the command line stops there, before Ray starts
+    t0 = time.monotonic()
+    proc = relax_cli(*base, "--use-slime-router", "--slime-router-middleware-paths", "no_such_module.Mw")
+    assert proc.returncode == 2 and "--slime-router-middleware-paths: cannot import module" in proc.stderr
+    assert "Ray" not in proc.stderr + proc.stdout and time.monotonic() - t0 < 60
+    with pytest.raises(ConfigError, match="--sglang-router-policy"):
+        parse_config(base + ["--use-slime-router", "--sglang-router-policy", "cache_aware"])
     with pytest.raises(ConfigError, match="add --use-slime-router"):
         parse_config(base + ["--slime-router-timeout", "5"])
     parse_config(base + ["--slime-router-health-check-failure-threshold", "3"])  # the default: a saved config's
