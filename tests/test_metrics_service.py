@@ -15,6 +15,7 @@ import requests
 
 from conftest import assert_ray_released
 from relax.backends.auth import engine_api_key
+from relax.config.support_ops import OPS_FEATURES
 from relax.observability.metrics_client import (
     MetricsReporter,
     metric_key,
@@ -23,6 +24,7 @@ from relax.observability.metrics_client import (
     split_metric_key,
 )
 from relax.observability.metrics_service import (
+    SERVICE_NAME,
     URL_FILE,
     MetricsService,
     MetricsStore,
@@ -348,3 +350,58 @@ def test_watched_engines_are_scraped_again_and_again(ray_session):
     finally:
         stop_metrics_service(actor)
     assert_ray_released()
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif("use_metrics_service" not in OPS_FEATURES,
+                    reason="--use-metrics-service is refused until the controller and roles report to the service")
+def test_a_run_is_scraped_while_it_runs(tmp_path, tiny_model):
+    """A whole run with --use-metrics-service: /metrics is scraped while it runs, and metrics.jsonl holds the
+    records the service merged (the controller's metrics come from it)."""
+    from conftest import run_steps
+    from relax.config import parse_config
+    from relax.models.tasks import generate_task_dataset
+
+    data = generate_task_dataset(tmp_path / "train.jsonl", 16, seed=0, task="add_mod10")
+    out = tmp_path / "run"
+    config = parse_config([
+        "--hf-checkpoint", tiny_model, "--prompt-data", str(data), "--apply-chat-template", "--input-key", "input",
+        "--label-key", "label", "--rm-type", "random", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+        "--num-rollout", "3", "--rollout-max-response-len", "3", "--micro-batch-size", "4",
+        "--resource", '{"actor": [1, 1], "rollout": [1, 1]}', "--output-dir", str(out),
+        "--distributed-backend", "gloo", "--use-metrics-service",
+    ])
+    scraped: list[str] = []
+    stop = threading.Event()
+
+    def scraper():
+        while not stop.wait(0.2):
+            try:
+                url = (out / URL_FILE).read_text().strip()
+                scraped.append(requests.get(url + "/metrics", timeout=5).text)
+            except (OSError, requests.RequestException):
+                pass
+
+    thread = threading.Thread(target=scraper, daemon=True)
+    thread.start()
+    try:
+        records = run_steps(config)
+    finally:
+        stop.set()
+        thread.join(10)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    during = [t for t in scraped if "relax_train_loss{" in t]
+    assert during, f"no scrape during the run saw a trainer report ({len(scraped)} scrapes)"
+    for text in during:
+        check_exposition(text)
+    steps_seen = {int(m) for t in during for m in re.findall(r'relax_train_loss\{role="trainer",rank="0",step="(\d+)"', t)}
+    assert steps_seen and steps_seen <= {0, 1, 2}
+    last = during[-1]
+    for family in ("relax_rollout_reward_mean", "relax_perf_step_time", "relax_data_put_samples"):
+        assert family + "{" in last, family
+    # the merged record is what the controller logged: the roles' values and the controller's own
+    for record in records:
+        assert record["data/put_samples"] == 4.0
+        assert "train/loss" in record and "perf/step_time" in record
+    with pytest.raises(ValueError):  # the service went with the run
+        ray.get_actor(SERVICE_NAME)
