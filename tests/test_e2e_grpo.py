@@ -8,8 +8,10 @@ import pytest
 import ray
 
 from conftest import assert_ray_released, shared_ray, shared_tiny_model
+from test_timeline import check_chrome_trace
 
 from relax.config import parse_config
+from relax.config.env import TIMELINE_ENV
 from relax.core.controller import Controller
 from relax.models.tasks import generate_task_dataset
 
@@ -28,10 +30,11 @@ def assets(tmp_path_factory):
     return base, str(model), str(data)
 
 
-def test_grpo_two_engines_two_dp_ranks(assets):
+def test_grpo_two_engines_two_dp_ranks(assets, monkeypatch):
     base, model, data = assets
     out = base / "run"
     shared_ray()
+    monkeypatch.setenv(TIMELINE_ENV, str(out / "timeline"))  # what run_controller sets for --timeline-dump-dir
     before = _children()
     config = parse_config([
         "--hf-checkpoint", model, "--prompt-data", data, "--apply-chat-template", "--input-key", "input",
@@ -40,7 +43,7 @@ def test_grpo_two_engines_two_dp_ranks(assets):
         "--micro-batch-size", "4", "--lr", "1e-3", "--lr-decay-style", "constant",
         "--resource", '{"actor": [1, 2], "rollout": [1, 2]}', "--num-data-storage-units", "2",
         "--save-interval", "2", "--output-dir", str(out), "--distributed-backend", "gloo",
-        "--use-tensorboard",
+        "--use-tensorboard", "--timeline-dump-dir", str(out / "timeline"),
     ])
     controller = Controller(config)
     try:
@@ -87,10 +90,28 @@ def test_grpo_two_engines_two_dp_ranks(assets):
     assert (ckpt / "iter_0000002" / "relax_state.json").is_file()
     assert any((ckpt / "iter_0000002" / "actor").iterdir())
     assert any((out / "tensorboard").rglob("events.out.tfevents*"))
+    _check_timeline(out / "timeline" / "timeline.json", records)
     assert_ray_released()
     # engine servers and the router are gone; Ray's own worker processes stay with the session's cluster
     leftover = [p for p in _children() - before if _alive_non_ray(p)]
     assert not leftover, f"processes left behind: {[psutil.Process(p).cmdline()[:3] for p in leftover]}"
+
+
+def _check_timeline(path, records) -> None:
+    """--timeline-dump-dir: a Chrome trace whose step spans hold every stage of the step, the stages covering
+    the step's wall time but for the controller's own bookkeeping."""
+    spans = check_chrome_trace(json.loads(path.read_text()))
+    for r in records:
+        step = r["step"]
+        (outer,) = [s for s in spans if s["name"] == f"step {step}"]
+        inner = [s for s in spans if s["args"].get("step") == step and s is not outer]
+        names = {s["name"] for s in inner}
+        assert {"rollout", "actor_forward", "advantages", "actor_update", "weight_push"} <= names, names
+        for s in inner:
+            assert outer["ts"] <= s["ts"] and s["ts"] + s["dur"] <= outer["ts"] + outer["dur"] + 1, s["name"]
+        covered = sum(s["dur"] for s in inner)
+        assert 0.8 * outer["dur"] <= covered <= outer["dur"] + 1, (covered, outer["dur"])
+        assert abs(outer["dur"] / 1e6 - r["perf/step_time"]) < 0.5
 
 
 def _alive_non_ray(pid: int) -> bool:

@@ -8,6 +8,12 @@ from typing import Mapping
 
 import yaml
 
+# Set by the controller for --timeline-dump-dir (relax.observability.timeline): every role and the engine
+# servers they start write their spans there.
+TIMELINE_ENV = "RELAX_TIMELINE_DIR"
+# Variables of the controller's own environment that every worker gets too.
+PASSED_TO_WORKERS = (TIMELINE_ENV,)
+
 BUILTIN_ENV = {
     "TQ_NUM_THREADS": "1",  # TransferQueue warns on every call without it
     "RAY_DEDUP_LOGS": "1",
@@ -40,6 +46,7 @@ def worker_env(train_env_vars: Mapping[str, object] | None = None, *, training_r
                env_yaml: Path | None = None) -> dict[str, str]:
     """The layered environment for one worker."""
     env = dict(BUILTIN_ENV)
+    env.update({name: os.environ[name] for name in PASSED_TO_WORKERS if name in os.environ})
     env.update(load_env_yaml(env_yaml if env_yaml is not None else default_env_yaml()))
     if training_role and train_env_vars:
         env.update({str(k): str(v) for k, v in train_env_vars.items()})

@@ -8,4 +8,7 @@ OPS_FEATURES: frozenset[str] = frozenset({
     # relax/observability/notify.py, sent around run_controller by relax/entrypoints/train.py;
     # tests/test_notify.py and tests/test_clearml_offline.py (e2e)
     "notify_urls",
+    # relax/observability/timeline.py: every process's spans, merged by relax/core/controller.py into one Chrome
+    # trace; tests/test_timeline.py and tests/test_e2e_grpo.py (the stages of each step nest in it)
+    "timeline_dump_dir",
 })

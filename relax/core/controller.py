@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from relax.backends.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
 from relax.backends.engine_client import EngineClient
 from relax.config.config import Config
-from relax.config.env import threads_per_process, worker_env
+from relax.config.env import TIMELINE_ENV, threads_per_process, worker_env
 from relax.config.errors import ConfigError
 from relax.config.explain import write_resolved_config
 from relax.core.calls import descendants, run_bounded, run_quietly, stop_processes, wait_all, wait_quietly
@@ -40,12 +40,14 @@ from relax.core.stages import Stages
 from relax.data.plane import DataPlane
 from relax.models.embedded import build_embedded_assets
 from relax.observability.accounting import RunAccounting, step_problems
+from relax.observability import timeline
 from relax.observability.metrics import MetricsWriter
 from relax.roles.rollout import RolloutManager
 from relax.roles.trainer import TrainerWorker
 from relax.weights.shm import sweep_stale_segments
 
 logger = logging.getLogger("relax")
+TIMELINE_MERGE_EVERY = 10  # steps between rewrites of --timeline-dump-dir's trace (each rewrite reads every span)
 trace_log = logging.getLogger("relax.trace")  # tracebacks: the run's log file only (see run_controller)
 
 
@@ -156,7 +158,9 @@ class Controller:
             self.metrics.log(self.start_step, {**before, "eval/before_train": 1.0})
         for step in range(self.start_step, c.num_rollout):
             t0 = time.perf_counter()
-            metrics = self._rollout_call("generate", "generate", step, step)
+            step_start = time.time()  # the timeline's step span (wall clock, like every role's spans)
+            with timeline.span("rollout", step=step, cat="rollout"):
+                metrics = self._rollout_call("generate", "generate", step, step)
             t1 = time.perf_counter()
             # what went through TransferQueue
             metrics["data/step_samples"] = float(self._data_call("count the step's samples", step, self.data.size))
@@ -167,22 +171,25 @@ class Controller:
                 metrics.update(self._colocate("release engines, reload trainer", step,
                                               lambda: self.colocate.before_train(step, will_sync)))
                 # the step's stages, each writing its per-sample rows into the step's partition
-                metrics.update(self.stages.reference_logprobs(step))  # ref_logprobs
-                metrics.update(self.stages.teacher_logprobs(step))  # teacher_logprobs
-                metrics.update(self.stages.critic_values(step))  # values
-                metrics.update(self.stages.actor_forward(step))  # old_logprobs
-                metrics.update(self.stages.advantages(step))  # advantages, returns
-                metrics.update(self.stages.actor_update(step))
-                metrics.update(self.stages.reference_refresh(step))  # every --ref-update-interval steps
-                metrics.update(self.stages.critic_update(step))
+                for stage in (self.stages.reference_logprobs,  # ref_logprobs
+                              self.stages.teacher_logprobs,  # teacher_logprobs
+                              self.stages.critic_values,  # values
+                              self.stages.actor_forward,  # old_logprobs
+                              self.stages.advantages,  # advantages, returns
+                              self.stages.actor_update,
+                              self.stages.reference_refresh,  # every --ref-update-interval steps
+                              self.stages.critic_update):
+                    with timeline.span(stage.__name__, step=step, cat="train"):
+                        metrics.update(stage(step))
             t2 = time.perf_counter()
             self._data_call("clear the step", step, self.data.clear)
             sync_time = 0.0
             if will_sync:
                 # engines' weights back, KV cache still released
                 metrics.update(self._colocate("resume engines' weights", step, lambda: self.colocate.before_sync(step)))
-                reports = self._trainers("push_weights", "weight push", step, self.engine_urls, step + 1,
-                                         c.update_weight_buffer_size)
+                with timeline.span("weight_push", step=step, cat="weights"):
+                    reports = self._trainers("push_weights", "weight push", step, self.engine_urls, step + 1,
+                                             c.update_weight_buffer_size)
                 sync = reports[0]
                 sync_time = time.perf_counter() - t2
                 metrics.update({"perf/weight_sync_bytes": float(sync["bytes"]),
@@ -190,8 +197,9 @@ class Controller:
                                 "weights/version": float(step + 1)})
             t3 = time.perf_counter()
             if c.save and ((c.save_interval and (step + 1) % c.save_interval == 0) or step + 1 == c.num_rollout):
-                run_bounded(lambda: self.save(step + 1), Call("checkpoint", "save", step=step),
-                            deadline_s=self.deadlines.train_s, flag=FLAGS["train"])
+                with timeline.span("save", step=step, cat="checkpoint"):
+                    run_bounded(lambda: self.save(step + 1), Call("checkpoint", "save", step=step),
+                                deadline_s=self.deadlines.train_s, flag=FLAGS["train"])
             step_time = time.perf_counter() - t0
             metrics.update({
                 "perf/rollout_time": t1 - t0, "perf/train_time": t2 - t1, "perf/weight_sync_time": sync_time,
@@ -203,11 +211,15 @@ class Controller:
             metrics.update(self._colocate("offload trainer, resume engines", step,
                                           lambda: self.colocate.after_step(step)))
             if self._eval_enabled() and (step + 1) % c.eval_interval == 0:
-                metrics.update(self._rollout_call("evaluate", "evaluation", step + 1, step + 1))
+                with timeline.span("evaluation", step=step, cat="rollout"):
+                    metrics.update(self._rollout_call("evaluate", "evaluation", step + 1, step + 1))
             self.accounting.add(metrics)
             for problem in step_problems(metrics, trained_expected=not c.debug_rollout_only):
                 logger.warning("step %d: sample accounting: %s", step, problem)
             self.metrics.log(step, metrics)
+            timeline.record(f"step {step}", step_start, time.time(), step=step, cat="step")
+            if c.timeline_dump_dir and (step + 1 - self.start_step) % TIMELINE_MERGE_EVERY == 0:
+                timeline.merge(c.timeline_dump_dir)  # a run stopped later still leaves the steps so far
         if self.accounting.steps:
             logger.info("%s (%s)", self.accounting.summary_line(), self.accounting.write(c.output_dir))
 
@@ -334,6 +346,12 @@ class Controller:
         if left:
             trace_log.warning("shutdown: signalled %d process(es) still running: %s", len(left), left)
         sweep_stale_segments()  # the trainer's /dev/shm segment, when its process was killed before closing it
+        if self.config.timeline_dump_dir:  # every span the roles wrote, also after a failure
+            try:
+                path = timeline.merge(self.config.timeline_dump_dir)
+                logger.info("timeline: %s (load it in ui.perfetto.dev or chrome://tracing)", path)
+            except OSError as exc:
+                logger.warning("timeline: could not write %s: %s", self.config.timeline_dump_dir, exc)
 
     def _busy_actors(self) -> set[int]:
         """Actors (by id of their handle) with a call of the loop that has not finished."""
@@ -385,6 +403,9 @@ def run_controller(config: Config) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         handlers=[logging.StreamHandler(), logging.FileHandler(out / "logs" / "relax.log")])
     write_resolved_config(config)
+    if config.timeline_dump_dir:  # before Ray: every role inherits it (relax.config.env.worker_env)
+        os.environ[TIMELINE_ENV] = str(Path(config.timeline_dump_dir).resolve())
+        timeline.set_role("controller")
     if config.dump_details:
         write_resolved_config(config, Path(config.dump_details) / "config.yaml")
     if config.meta.get("embedded_default"):

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-TIMELINE_ENV = "RELAX_TIMELINE_DIR"
+from relax.config.env import TIMELINE_ENV
 TRACE_NAME = "timeline.json"
 
 _lock = threading.Lock()
