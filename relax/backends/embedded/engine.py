@@ -48,6 +48,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from relax.backends.embedded import shared_weights
 from relax.backends.embedded.weight_names import expert_aliases
 from relax.backends.embedded.routing import RouteCapture
 from relax.backends.embedded.sampling import SamplingParams, sample_batch, seeded_position_seed
@@ -344,41 +345,23 @@ class EmbeddedEngine:
         def run():
             if self.released and self.offload_weights_on_release and self._weights_offloaded:
                 raise EngineError("weights are released; resume_memory_occupation first", status=400)
+            shared_weights.privatize(self)  # never write into pages of a sender's segment
             plan = self._validate_named(named, self._named_targets())
             return self._apply_plan(plan, weight_version)
 
         return self.call(run, needs_idle=self.update_waits_for_requests, name="update_weights")
 
     def update_weight_ranges(self, pieces, weight_version: str | None = None) -> Future:
-        """Like `update_weights`, for pieces `(hf_name, full_shape, start, flat_src)`: `flat_src` is copied
-        into elements [start, start + numel) of the row-major tensor (one copy, straight from the
-        sender's shared memory). All pieces are checked before any is copied."""
+        """Like `update_weights`, for pieces `(hf_name, full_shape, start, flat_src)` of a sender's shared
+        memory (`relax_shm`; `shared_weights.apply_ranges`)."""
+        return self.call(lambda: shared_weights.apply_ranges(self, pieces, weight_version),
+                         needs_idle=self.update_waits_for_requests, name="update_weights")
 
-        def run():
-            if self.released and self.offload_weights_on_release and self._weights_offloaded:
-                raise EngineError("weights are released; resume_memory_occupation first", status=400)
-            targets = self._named_targets()
-            unknown, bad, plan = [], [], []
-            for name, shape, start, src in pieces:
-                dst = targets.get(name)
-                if dst is None:
-                    if not self._ignorable(name):
-                        unknown.append(name)
-                    continue
-                if tuple(dst.shape) != tuple(shape) and dst.numel() != 0:
-                    bad.append(f"{name}: engine {tuple(dst.shape)} vs update {tuple(shape)}")
-                elif start + src.numel() > dst.numel() or not dst.is_contiguous():
-                    bad.append(f"{name}: elements [{start}, {start + src.numel()}) of {dst.numel()} "
-                               f"({'contiguous' if dst.is_contiguous() else 'not contiguous'})")
-                else:
-                    plan.append((name, dst.view(-1)[start:start + src.numel()], src))
-            if unknown or bad:
-                msg = [f"unknown parameter names {unknown[:8]}{' ...' if len(unknown) > 8 else ''}"] if unknown else []
-                msg += [f"shape mismatch {bad[:8]}"] if bad else []
-                raise EngineError("weight update rejected, nothing changed: " + "; ".join(msg))
-            return self._apply_plan(plan, weight_version)
-
-        return self.call(run, needs_idle=self.update_waits_for_requests, name="update_weights")
+    def bind_weights(self, pieces, segment: torch.Tensor, weight_version: str | None = None) -> Future:
+        """One-copy update (`relax_shm_bind`): parameters become views of `segment` at a step boundary
+        (`shared_weights.bind`)."""
+        return self.call(lambda: shared_weights.bind(self, pieces, weight_version, segment),
+                         needs_idle=self.update_waits_for_requests, name="update_weights")
 
     def set_weight_version(self, version: str) -> None:
         self.weight_version = str(version)

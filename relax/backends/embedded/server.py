@@ -28,12 +28,14 @@ Endpoints (request / response schemas follow SGLang's `http_server.py` and `io_s
   (default abort), POST /continue_generation, POST /release_memory_occupation `{"tags"}`,
   POST /resume_memory_occupation `{"tags"}` (CPU semantics in `engine.py`).
 - Weights: POST /update_weights_from_tensor `{"serialized_named_tensors": [str, ...],
-  "load_format": null | "flattened_bucket" | "relax_shm", "flush_cache", "weight_version"}` (see
-  `relax.weights.serialize`; "relax_shm" entries are JSON manifests of the sender's shared-memory
-  segment, `relax.weights.shm`; entries are per tensor-parallel rank in SGLang: identical entries are
-  applied once, different entries are all applied); POST /update_weights_from_disk
-  `{"model_path", "weight_version"}`; POST /init_weights_update_group `{"master_address",
-  "master_port", "rank_offset", "world_size", "group_name", "backend"}`; POST
+  "load_format": null | "flattened_bucket" | "relax_shm" | "relax_shm_bind", "flush_cache",
+  "weight_version"}` (see `relax.weights.serialize`; "relax_shm" entries are JSON manifests of the
+  sender's shared-memory segment, `relax.weights.shm`; "relax_shm_bind" is one such manifest of whole
+  tensors that the parameters become views of, the one-copy sync, `shared_weights`; entries are per
+  tensor-parallel rank in SGLang: identical entries are applied once, different entries are all
+  applied); POST /update_weights_from_disk `{"model_path", "weight_version"}`; POST
+  /init_weights_update_group `{"master_address", "master_port", "rank_offset", "world_size",
+  "group_name", "backend"}`; POST
   /update_weights_from_distributed `{"names", "dtypes", "shapes", "group_name", "flush_cache",
   "weight_version"}`; POST /destroy_weights_update_group `{"group_name"}`; POST
   /update_weight_version `{"new_version", "abort_all_requests"}`; GET|POST /get_weights_by_name
@@ -58,6 +60,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from relax.backends.auth import OPEN_ENDPOINTS, authorized, engine_api_key
+from relax.backends.embedded import shared_weights
 from relax.backends.embedded.engine import EmbeddedEngine, EngineError
 from relax.backends.embedded.sampling import SamplingParams
 from relax.weights import shm
@@ -273,7 +276,8 @@ def create_app(engine: EmbeddedEngine, api_key: str | None = None):
             "weight_version": engine.weight_version,
             "update_waits_for_requests": engine.update_waits_for_requests,
             "memory_events": list(engine.__dict__.get("memory_events", ())),  # release/resume/update order
-            "weight_update_formats": [None, "flattened_bucket", shm.LOAD_FORMAT],
+            "weight_update_formats": [None, "flattened_bucket", shm.LOAD_FORMAT, shm.LOAD_FORMAT_BIND],
+            **shared_weights.server_info(engine),  # what a relax_shm_bind sender must not cast
             "internal_states": [
                 {
                     "paused": engine.paused,
@@ -392,6 +396,22 @@ def create_app(engine: EmbeddedEngine, api_key: str | None = None):
             return _ok_update("serialized_named_tensors must be a non-empty list", False)
         load_format = body.get("load_format")
         unique = list(dict.fromkeys(entries))  # SGLang: one (identical) entry per TP rank
+        if load_format == shm.LOAD_FORMAT_BIND:  # one copy: parameters become views of the sender's segment
+            try:
+                if len(unique) != 1:
+                    raise ValueError("a relax_shm_bind update is one manifest")
+                obj = shm.parse_manifest(unique[0])
+                pieces = list(shm.manifest_views(obj, shm_cache))
+                segment = shm_cache.get(str(obj["segment"]), int(obj["segment_bytes"]))
+            except Exception as exc:
+                return _ok_update(f"could not read the relax_shm_bind manifest: {exc}", False)
+            try:
+                res = await asyncio.wrap_future(engine.bind_weights(pieces, segment, body.get("weight_version")))
+            except EngineError as exc:
+                return _ok_update(str(exc), False)
+            return _ok_update(f"Succeeded to update model weights (relax_shm_bind, {res['bound']} bound, "
+                              f"{res['copied']} copied).", True, weight_version=engine.weight_version,
+                              elapsed_s=time.perf_counter() - t0, apply_s=res["apply_s"])
         if load_format == shm.LOAD_FORMAT:  # JSON manifests of views on the sender's shared memory
             try:
                 pieces = [p for e in unique for p in shm.manifest_views(shm.parse_manifest(e), shm_cache)]
