@@ -189,7 +189,8 @@ def _serves(url, model_dir, named, version):
 
 def test_tensor_sync_uses_one_reused_segment_and_the_engine_serves_the_new_weights(server, model_dir):
     base = load_reference_model(model_dir)
-    sync = make_weight_sync("tensor", [server.url], buffer_bytes=64 << 10, timeout_s=60, check_equal=True)
+    sync = make_weight_sync("tensor", [server.url], buffer_bytes=64 << 10, timeout_s=60, check_equal=True,
+                            shm_mode="chunked")  # the two-copy path (the one-copy one: test_weightsync_bind.py)
     assert isinstance(sync, TensorSync)
     try:
         paths = []
@@ -206,9 +207,9 @@ def test_tensor_sync_uses_one_reused_segment_and_the_engine_serves_the_new_weigh
         sync.close()
     assert not os.path.exists(paths[0])
     # the engine dropped nothing it needs: a new sync (new segment) still works
-    with make_weight_sync("tensor", [server.url], timeout_s=60) as again:
+    with make_weight_sync("tensor", [server.url], timeout_s=60, shm_mode="chunked") as again:
         again.push(perturbed_state_dict(base, seed=50), "shm-again")
-        assert again.last_chunks >= 1
+        assert again.last_chunks >= 1 and again.last_mode == "chunked"
     assert EngineClient(server.url).get_weight_version() == "shm-again"
 
 
@@ -217,16 +218,17 @@ def test_shm_and_pickle_paths_leave_identical_weights(server, model_dir):
     named = perturbed_state_dict(base, seed=60)
     client = EngineClient(server.url, timeout_s=60)
     held = {}
-    for use_shm in (True, False):
+    for mode in ("chunked", "bind", "pickle"):
         with make_weight_sync("tensor", [server.url], buffer_bytes=32 << 10, timeout_s=60,
-                              use_shm=use_shm) as sync:
-            sync.push(named, f"same-{use_shm}")
-            assert (sync.segment is not None) == use_shm
-        held[use_shm] = {n: torch.tensor(client.get_weights_by_name(n, truncate_size=t.numel()), dtype=torch.float64)
-                         for n, t in named[:6]}
+                              use_shm=mode != "pickle", shm_mode=None if mode == "pickle" else mode) as sync:
+            sync.push(named, f"same-{mode}")
+            assert sync.last_mode == mode and (sync.segment is not None) == (mode == "chunked")
+        held[mode] = {n: torch.tensor(client.get_weights_by_name(n, truncate_size=t.numel()), dtype=torch.float64)
+                      for n, t in named[:6]}
     client.close()
-    for n in held[True]:
-        assert torch.equal(held[True][n], held[False][n]), n
+    for n in held["chunked"]:
+        assert torch.equal(held["chunked"][n], held["pickle"][n]), n
+        assert torch.equal(held["bind"][n], held["pickle"][n]), n
 
 
 def test_shm_errors_name_the_engine_and_change_nothing(server, model_dir):

@@ -19,6 +19,11 @@ a fresh shared-memory mapping per update on the engine side and intermediate ten
 
 The manifest travels as the single entry of `serialized_named_tensors`, so the request keeps the
 shape of SGLang's; the weight version goes with the last chunk only.
+
+One copy (`load_format="relax_shm_bind"`, `BoundSegment`, the default when every engine advertises it and
+/dev/shm has room for two copies of the model): the segment holds the whole update twice (two halves);
+the sender writes the half the engines are not using, one manifest names it, and each engine points its
+parameters at views of that half instead of copying (see the section at the end of this file).
 """
 
 from __future__ import annotations
@@ -279,7 +284,7 @@ def manifest_views(obj: dict, cache: SegmentCache) -> Iterator[tuple[str, tuple,
         dt = _DTYPES.get(dname)
         if dt is None:
             raise ValueError(f"{name}: unknown dtype {dname!r}")
-        es = torch.empty((), dtype=dt).element_size()
+        es = dt.itemsize
         offset, numel, start = int(offset), int(numel), int(start)
         if offset < 0 or numel < 0 or start < 0 or offset % es or offset + numel * es > nbytes:
             raise ValueError(f"{name}: bytes [{offset}, {offset + numel * es}) lie outside the segment")
@@ -289,3 +294,89 @@ def manifest_views(obj: dict, cache: SegmentCache) -> Iterator[tuple[str, tuple,
 def shm_capable(info: Any) -> bool:
     """Whether a `/server_info` answer advertises this path."""
     return isinstance(info, dict) and LOAD_FORMAT in (info.get("weight_update_formats") or ())
+
+
+def bind_capable(info: Any) -> bool:
+    """Whether a `/server_info` answer advertises the one-copy path (`LOAD_FORMAT_BIND`)."""
+    return isinstance(info, dict) and LOAD_FORMAT_BIND in (info.get("weight_update_formats") or ())
+
+
+# ---------------------------------------------------------------------------------------------
+# One-copy path (`load_format="relax_shm_bind"`): the engines' parameters live in the segment
+# ---------------------------------------------------------------------------------------------
+#
+# The sender owns one segment of two halves, each big enough for the whole update. A push writes every
+# tensor once into the half the engines are not using and posts one manifest (same format as above,
+# whole tensors only); each engine, at a step boundary, points its parameters at views of that half
+# (`relax.backends.embedded.shared_weights`) and takes the new weight version. The next push writes the
+# other half: after a push has been answered no engine reads the half written next, so generation in
+# flight never sees a half-written tensor. Memory: two copies of the model per host, whatever the number
+# of engines (they all map the same segment), instead of one per engine plus a staging buffer.
+
+LOAD_FORMAT_BIND = "relax_shm_bind"
+
+
+def shm_room(directory: str | None = None) -> int:
+    """Bytes still free in the segment folder (tmpfs /dev/shm is often small in containers)."""
+    st = os.statvfs(directory or shm_dir())
+    return st.f_bavail * st.f_frsize
+
+
+class BoundSegment:
+    """Sender side of the one-copy path: the double-buffered segment and which half is written next.
+
+    `write(named, cast)` fills the next half and returns the manifest entries; `commit()` after every
+    engine answered (the half becomes theirs, the next push uses the other one); `discard()` after a
+    failure (an engine may still apply the update later, so neither half is written again: the next push
+    starts a new segment, and engines keep their own mapping of the old one until they rebind)."""
+
+    def __init__(self, directory: str | None = None):
+        self.directory = directory
+        self.segment: ShmSegment | None = None
+        self.half_bytes = 0
+        self.half = 0
+
+    @staticmethod
+    def layout(named: Sequence[tuple[str, torch.Tensor]], cast: Callable[[str, torch.Tensor], torch.dtype]):
+        """[(name, tensor, dtype on the wire, byte offset in a half)], bytes of one half."""
+        out, off = [], 0
+        for name, t in named:
+            dt = cast(name, t)
+            dtype_name(dt)
+            off = _align(off)
+            out.append((name, t, dt, off))
+            off += t.numel() * dt.itemsize
+        return out, _align(max(off, ALIGN))
+
+    def needed_bytes(self, half_bytes: int) -> int:
+        """Bytes a new segment for halves of `half_bytes` takes (0 when the current one fits)."""
+        return 0 if self.segment is not None and self.half_bytes >= half_bytes else 2 * half_bytes
+
+    def write(self, named: Sequence[tuple[str, torch.Tensor]],
+              cast: Callable[[str, torch.Tensor], torch.dtype] = lambda _n, t: t.dtype) -> list:
+        plan, half_bytes = self.layout(named, cast)
+        if self.needed_bytes(half_bytes):
+            self.close()
+            self.segment = ShmSegment(2 * half_bytes, self.directory)
+            self.half_bytes, self.half = half_bytes, 0
+        base, buf, entries = self.half * self.half_bytes, self.segment.buf, []
+        for name, t, dt, off in plan:
+            flat = _flat_cpu(t)
+            n = flat.numel()
+            start = base + off
+            if n:  # one copy per tensor, converting to the engines' dtype on the way when asked to
+                buf[start:start + n * dt.itemsize].view(dt).copy_(flat)
+            entries.append([name, dtype_name(dt), list(t.shape), 0, n, start])
+        return entries
+
+    def commit(self) -> None:
+        self.half ^= 1
+
+    def discard(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
+        self.half_bytes, self.half = 0, 0

@@ -3,9 +3,12 @@
 `WeightSync` implementations (pick one with `make_weight_sync(method, ...)`):
 
 - `tensor`: SGLang's `/update_weights_from_tensor`; the HF-named tensors go through shared memory on one
-  host in buffers of `buffer_bytes`, each staged once and posted to every engine concurrently. Engines
-  that advertise `relax_shm` read them from one reused /dev/shm segment described by a JSON manifest
-  (`relax.weights.shm`: two copies in all, writing and reading overlap); others get SGLang's pickle.
+  host. Engines that advertise `relax_shm_bind` (the embedded engine) get one copy: the trainer writes
+  every tensor once into a /dev/shm segment that holds the model twice and the engines' parameters
+  become views of the half just written (`relax.weights.shm`). Engines that only advertise `relax_shm`,
+  or a /dev/shm without room for the model twice, get two copies through one reused segment of
+  `buffer_bytes`; others get SGLang's pickle, in buffers of `buffer_bytes`, each staged once and posted
+  to every engine concurrently.
 - `disk`: the tensors are written as safetensors (plus the HF config/tokenizer files when a source
   folder is known, as real SGLang needs) into a fresh temporary folder, then every engine is told to
   `/update_weights_from_disk` from it; the folder is removed afterwards.
@@ -186,10 +189,13 @@ def _engine_dtype(client: EngineClient) -> torch.dtype | None:
 
 
 class TensorSync(WeightSync):
-    """Shared memory on one host. Engines that advertise `relax_shm` (the embedded engine) get the
-    two-copy path of `relax.weights.shm`: one reusable /dev/shm segment of at most `buffer_bytes`
-    (two slots: the next chunk is written while the engines copy the last one) and a JSON manifest
-    per chunk. Other engines (real SGLang) get SGLang's pickled flattened buckets."""
+    """Shared memory on one host. Engines that advertise `relax_shm_bind` (the embedded engine) get the
+    one-copy path of `relax.weights.shm`: one segment holding the model twice, the trainer writes the half
+    the engines are not using, and their parameters become views of it (one request per push). With
+    `shm_mode="chunked"`, when /dev/shm has no room for two copies of the model, or for engines that only
+    advertise `relax_shm`: the two-copy path, one reusable segment of at most `buffer_bytes` (two slots:
+    the next chunk is written while the engines copy the last one) and a JSON manifest per chunk. Other
+    engines (real SGLang) get SGLang's pickled flattened buckets."""
 
     method = "tensor"
 
@@ -197,15 +203,20 @@ class TensorSync(WeightSync):
         super().__init__(engine_urls, **kw)
         self.load_format = kw.get("load_format", "flattened_bucket")
         self.use_shm = kw.get("use_shm")  # None: when every engine advertises it; False: never
-        self.segment = None
+        self.shm_mode = kw.get("shm_mode")  # None: one copy when possible; "bind"; "chunked"
+        if self.shm_mode not in (None, "bind", "chunked"):
+            raise ValueError(f"shm_mode {self.shm_mode!r}: one of None, 'bind', 'chunked'")
+        self.segment = None  # the two-copy path's staging segment
+        self.bound = shm.BoundSegment()  # the one-copy path's double-buffered segment
         self._dispatch = None
+        self._infos: list | None = None
         self._capable: bool | None = None
         self.last_chunks = 0
+        self.last_mode: str | None = None  # "bind", "chunked" or "pickle": what the last push used
 
-    def _shm_ready(self) -> bool:
-        if self.use_shm is False:
-            return False
-        if self._capable is None:
+    def _server_infos(self) -> list | None:
+        """Every engine's /server_info (fetched once), None when one has no such endpoint."""
+        if self._infos is None:
             infos = []
             for c in self.clients:
                 try:
@@ -214,23 +225,76 @@ class TensorSync(WeightSync):
                     if exc.status is None:  # no answer at all: the pickled path would only wait for it again
                         raise WeightSyncError(f"{self.method} weight push to engine {c.base_url} failed: {exc}",
                                               c.base_url) from None
-                    return False  # an engine without /server_info: the pickled path raises what it has to
-            self._capable = all(shm.shm_capable(info) for info in infos)
+                    infos.append(None)  # an engine without /server_info: the pickled path raises what it has to
+            self._infos = infos
+        return None if any(i is None for i in self._infos) else self._infos
+
+    def _shm_ready(self) -> bool:
+        if self.use_shm is False:
+            return False
+        if self._capable is None:
+            infos = self._server_infos()
+            self._capable = infos is not None and all(shm.shm_capable(info) for info in infos)
         return self._capable
 
+    def _mode(self, named: NamedTensors) -> str:
+        if not self._shm_ready():
+            return "pickle"
+        infos = self._server_infos()
+        if self.shm_mode != "chunked" and all(shm.bind_capable(i) for i in infos):
+            _, half = shm.BoundSegment.layout(named, self._cast_for(infos))
+            need = self.bound.needed_bytes(half)
+            if self.shm_mode == "bind" or need <= shm.shm_room() - (64 << 20):
+                return "bind"
+            if self.last_mode != "chunked":
+                logger.warning("weight sync: /dev/shm has %.0f MB free, the one-copy path needs %.0f MB (the "
+                               "model twice); using the two-copy path", shm.shm_room() / 1e6, need / 1e6)
+        return "chunked"
+
+    @staticmethod
+    def _cast_for(infos: list):
+        """The dtype each tensor is written in: the engines' own (one for all, when they agree) for
+        floating tensors they keep in it, so that their parameters can be views of the segment."""
+        dtypes = {str(i.get("dtype") or "") for i in infos}
+        engine_dt = getattr(torch, dtypes.pop(), None) if len(dtypes) == 1 else None
+        if not isinstance(engine_dt, torch.dtype) or not engine_dt.is_floating_point:
+            return lambda _n, t: t.dtype
+        keep: dict[str, str] = {}
+        for i in infos:
+            keep.update(i.get("weight_dtype_exceptions") or {})
+        return lambda n, t: t.dtype if not t.is_floating_point() or n in keep else engine_dt
+
     def _send(self, named: NamedTensors, version: str) -> None:
-        if self._shm_ready():
+        mode = self._mode(named)
+        if mode == "bind":
+            self._send_bind(named, version)
+        elif mode == "chunked":
             self._send_shm(named, version)
-            return
+        else:
+            try:
+                # all engines at once: each bucket staged in shared memory once (relax.backends.engine_client)
+                update_weights_from_tensor_many(self.clients, named, version, self.buffer_bytes,
+                                                load_format=self.load_format, pool=self.clients[0].buffer_pool)
+            except Exception as exc:
+                url = getattr(exc, "base_url", None) or ", ".join(self.engine_urls)
+                raise WeightSyncError(f"tensor weight push to engine {url} failed: {exc}", url) from None
+        self.last_mode = mode
+
+    def _send_bind(self, named: NamedTensors, version: str) -> None:
+        self._close_segment()  # the two-copy path's staging memory is not needed any more
+        entries = self.bound.write(named, self._cast_for(self._server_infos()))
+        payload = {"serialized_named_tensors": [shm.manifest(self.bound.segment, entries)],
+                   "load_format": shm.LOAD_FORMAT_BIND, "flush_cache": True, "weight_version": version}
         try:
-            # all engines at once: each bucket staged in shared memory once (relax.backends.engine_client)
-            update_weights_from_tensor_many(self.clients, named, version, self.buffer_bytes,
-                                            load_format=self.load_format, pool=self.clients[0].buffer_pool)
-        except Exception as exc:
-            url = getattr(exc, "base_url", None) or ", ".join(self.engine_urls)
-            raise WeightSyncError(f"tensor weight push to engine {url} failed: {exc}", url) from None
+            self._each(lambda c: c._post("/update_weights_from_tensor", payload, check_success=True))
+        except BaseException:
+            self.bound.discard()  # an engine may still apply this later: never write either half again
+            raise
+        self.bound.commit()
+        self.last_chunks = 1
 
     def _send_shm(self, named: NamedTensors, version: str) -> None:
+        self.bound.close()
         slot = shm.slot_bytes_for(named, self.buffer_bytes)
         if self.segment is None or self.segment.nbytes < 2 * slot:
             self._close_segment()
@@ -262,6 +326,7 @@ class TensorSync(WeightSync):
             self._dispatch.shutdown(wait=True)
             self._dispatch = None
         self._close_segment()
+        self.bound.close()
         super().close()
 
 
