@@ -1,14 +1,17 @@
 """Weight-sync throughput per path (relax.weights.sync) against a real embedded engine, next to a plain memory copy.
 
-    python benchmarks/weight_sync_bench.py [--models tiny smollm2-135m qwen2-0.5b] [--repeats 3]
+    python benchmarks/weight_sync_bench.py [--models tiny smollm2-135m qwen2-0.5b] [--paths tensor ...] [--repeats 3]
                                            [--dtype bfloat16] [--buffer-mb 512] [--json out.json]
 
 For each model shape a random HF model is written to a temporary folder and served by one embedded engine
 (`python -m relax.backends.embedded.server`, same host). The trainer side holds the same-named tensors and
 pushes them with each path, then checks that the engine reports the new weight version:
 
-  tensor       /update_weights_from_tensor, relax_shm: one reused /dev/shm segment of --buffer-mb (two slots,
-               writing overlaps the engine's copy) described by a JSON manifest (relax.weights.shm)
+  tensor       /update_weights_from_tensor, relax_shm_bind (the default for embedded engines): one copy, the
+               trainer writes every tensor once into a /dev/shm segment holding the model twice and the
+               engine's parameters become views of the half just written (relax.weights.shm)
+  tensor-chunked  relax_shm, two copies: one reused /dev/shm segment of --buffer-mb (two slots, writing
+               overlaps the engine's copy into its parameters) described by a JSON manifest per chunk
   tensor-pickle  the same endpoint as real SGLang gets it: pickled flattened buckets of --buffer-mb
   disk         safetensors into a temporary folder (--tmp-dir, default the system one) + /update_weights_from_disk
   distributed  /update_weights_from_distributed: gloo broadcast over a group (joined once, before timing)
@@ -16,9 +19,11 @@ pushes them with each path, then checks that the engine reports the new weight v
 memcpy is `torch.Tensor.copy_` of every tensor into a preallocated buffer of the same bytes (this process).
 After one warm-up push per path, --repeats rounds each time memcpy and then every path back to back (the
 machine's load changes, a round's numbers are comparable); reported: the median seconds, GB/s = weight
-bytes / median seconds (1 GB = 1e9 B) and "x memcpy" = the median over rounds of path seconds / memcpy
+bytes / median seconds (1 GB = 1e9 B), "x memcpy" = the median over rounds of path seconds / memcpy
 seconds of the same round (the per-round ratios, and best path seconds / best memcpy seconds, are printed
-too).
+too) and "bw ratio" = the median over rounds of memcpy seconds / path seconds, i.e. the path's bandwidth
+as a fraction of a plain memory copy's (the weight-sync speed target: >= 0.5 on qwen2-0.5b for tensor).
+Each push's seconds include the engine's answer and the weight-version check (`WeightSync.push`).
 
 Shapes: tiny (relax.models.tiny), smollm2-135m (LlamaConfig hidden 576, 30 layers, 9 heads, 3 kv heads,
 intermediate 1536, vocab 49152, tied) and qwen2-0.5b (Qwen2Config hidden 896, 24 layers, 14 heads, 2 kv heads,
@@ -110,6 +115,10 @@ def memcpy_seconds(named, repeats: int, dst: torch.Tensor | None = None) -> floa
     return best
 
 
+def engine_group(method: str) -> str:
+    return "bind" if method == "tensor" else "copy"
+
+
 def bench_model(name: str, args) -> list[dict]:
     dtype = getattr(torch, args.dtype)
     work = Path(tempfile.mkdtemp(prefix="relax-wsbench-"))
@@ -121,44 +130,66 @@ def bench_model(name: str, args) -> list[dict]:
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         print(f"# {name}: {len(named)} tensors, {nbytes / 1e6:.1f} MB {args.dtype} "
               f"(built in {time.perf_counter() - t0:.0f}s)", flush=True)
-        server = EmbeddedServerProcess(str(model_dir), server_args={"dtype": args.dtype, "random_seed": 0,
-                                                                      "num_threads": args.engine_threads})
-        server.start()
+        # The one-copy path leaves the engine's parameters as views of its segment, and a copying path
+        # then first gives them private memory again (and the next bind frees it): alternating them on one
+        # engine would time that churn, not either path. So "tensor" gets an engine of its own.
+        groups = sorted({engine_group(m) for m in args.paths})
+        servers = {g: EmbeddedServerProcess(str(model_dir), server_args={
+            "dtype": args.dtype, "random_seed": 0, "num_threads": args.engine_threads}) for g in groups}
+        for server in servers.values():
+            server.start()
         syncs = {}
         try:
-            server.wait_healthy(600)
-            cold = {}
+            for server in servers.values():
+                server.wait_healthy(600)
+            cold, modes = {}, {}
             for method in args.paths:
-                extra = {"use_shm": False} if method == "tensor-pickle" else {}
-                syncs[method] = make_weight_sync(method.split("-")[0], [server.url],
+                extra = {"tensor-pickle": {"use_shm": False},
+                         "tensor-chunked": {"shm_mode": "chunked"}}.get(method, {})
+                syncs[method] = make_weight_sync(method.split("-")[0], [servers[engine_group(method)].url],
                                                  buffer_bytes=args.buffer_mb << 20, timeout_s=900,
                                                  tmp_dir=args.tmp_dir, **extra)
                 t0 = time.perf_counter()
                 syncs[method].push(named, f"{method}-warmup")  # staging buffers / group set up here
                 cold[method] = time.perf_counter() - t0
+                modes[method] = getattr(syncs[method], "last_mode", None) or method
             # rounds: memcpy and every path back to back, so that each ratio compares like with like on a
             # machine whose load changes
             times = {m: [] for m in ["memcpy", *args.paths]}
+            parts = {m: [] for m in args.paths}
             dst = torch.zeros(nbytes, dtype=torch.uint8)  # faulted in once, like the paths' reused buffers
             for i in range(args.repeats):
                 times["memcpy"].append(memcpy_seconds(named, 0, dst))
                 for method in args.paths:
-                    times[method].append(syncs[method].push(named, f"{method}-{i}")["seconds"])
+                    report = syncs[method].push(named, f"{method}-{i}")
+                    times[method].append(report["seconds"])
+                    parts[method].append({**getattr(syncs[method], "last_timing", {}),
+                                          "verify_s": report.get("verify_seconds")})
         finally:
             for sync in syncs.values():
                 sync.close()
-            server.stop()
+            for server in servers.values():
+                server.stop()
         for method, ts in times.items():
             ratios = [t / m for t, m in zip(ts, times["memcpy"])]
+            bw = [m / t for t, m in zip(ts, times["memcpy"])]
             sec = statistics.median(ts)
-            rows.append({"model": name, "path": method, "bytes": nbytes, "seconds": sec, "all_seconds": ts,
+            rows.append({"model": name, "path": method, "mode": modes.get(method, method), "bytes": nbytes,
+                         "seconds": sec, "all_seconds": ts,
                          "gb_per_s": nbytes / sec / 1e9, "x_memcpy": statistics.median(ratios),
                          "x_memcpy_all": ratios, "x_memcpy_best": min(ts) / min(times["memcpy"]),
+                         "bw_ratio": statistics.median(bw), "bw_ratio_all": bw,
                          "first_seconds": cold.get(method)})
             r = rows[-1]
-            print(f"  {method:13s} {sec:8.4f}s  {r['gb_per_s']:7.2f} GB/s  {r['x_memcpy']:6.2f}x memcpy "
-                  f"(rounds {', '.join(f'{x:.2f}' for x in ratios)}; best/best {r['x_memcpy_best']:.2f})"
-                  + (f"  first push {cold[method]:.3f}s" if method in cold else ""), flush=True)
+            print(f"  {method:14s} {sec:8.4f}s  {r['gb_per_s']:7.2f} GB/s  {r['x_memcpy']:6.2f}x memcpy  "
+                  f"bw ratio {r['bw_ratio']:.2f} (rounds {', '.join(f'{x:.2f}' for x in bw)}; best/best "
+                  f"{1 / r['x_memcpy_best']:.2f})" + (f"  [{r['mode']}] first push {cold[method]:.3f}s"
+                                                       if method in cold else ""), flush=True)
+            if method != "memcpy" and parts[method] and "write_s" in parts[method][0]:
+                r["parts"] = parts[method]
+                print("    where the time goes (median s): " + ", ".join(
+                    f"{k} {statistics.median(p[k] for p in parts[method]):.4f}"
+                    for k in parts[method][0] if all(p.get(k) is not None for p in parts[method])), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return rows
@@ -168,8 +199,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["tiny", "smollm2-135m", "qwen2-0.5b"],
                    choices=["tiny", *SHAPES])
-    p.add_argument("--paths", nargs="+", default=["tensor", "tensor-pickle", "disk", "distributed"],
-                   choices=["tensor", "tensor-pickle", "disk", "distributed"])
+    p.add_argument("--paths", nargs="+", default=["tensor", "tensor-chunked", "tensor-pickle", "disk", "distributed"],
+                   choices=["tensor", "tensor-chunked", "tensor-pickle", "disk", "distributed"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--buffer-mb", type=int, default=512)
@@ -181,9 +212,10 @@ def main(argv=None) -> None:
     rows = []
     for name in args.models:
         rows.extend(bench_model(name, args))
-    print("\nmodel          path            seconds      GB/s   x memcpy (median)")
+    print("\nmodel          path             seconds      GB/s   x memcpy  bw ratio (medians)")
     for r in rows:
-        print(f"{r['model']:14s} {r['path']:13s} {r['seconds']:8.4f} {r['gb_per_s']:9.2f} {r['x_memcpy']:9.1f}")
+        print(f"{r['model']:14s} {r['path']:14s} {r['seconds']:8.4f} {r['gb_per_s']:9.2f} {r['x_memcpy']:9.2f} "
+              f"{r['bw_ratio']:9.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -361,11 +361,11 @@ class BoundSegment:
             self.half_bytes, self.half = half_bytes, 0
         base, buf, entries = self.half * self.half_bytes, self.segment.buf, []
         for name, t, dt, off in plan:
-            flat = _flat_cpu(t)
-            n = flat.numel()
+            n = t.numel()
             start = base + off
-            if n:  # one copy per tensor, converting to the engines' dtype on the way when asked to
-                buf[start:start + n * dt.itemsize].view(dt).copy_(flat)
+            if n:  # one copy per tensor, straight from where it is (any layout or device), converting to
+                # the engines' dtype on the way when asked to: no intermediate tensor
+                buf[start:start + n * dt.itemsize].view(dt).view(t.shape).copy_(t.detach())
             entries.append([name, dtype_name(dt), list(t.shape), 0, n, start])
         return entries
 

@@ -213,6 +213,7 @@ class TensorSync(WeightSync):
         self._capable: bool | None = None
         self.last_chunks = 0
         self.last_mode: str | None = None  # "bind", "chunked" or "pickle": what the last push used
+        self.last_timing: dict[str, Any] = {}  # seconds of the last one-copy push's parts
 
     def _server_infos(self) -> list | None:
         """Every engine's /server_info (fetched once), None when one has no such endpoint."""
@@ -282,16 +283,28 @@ class TensorSync(WeightSync):
 
     def _send_bind(self, named: NamedTensors, version: str) -> None:
         self._close_segment()  # the two-copy path's staging memory is not needed any more
+        t0 = time.perf_counter()
         entries = self.bound.write(named, self._cast_for(self._server_infos()))
         payload = {"serialized_named_tensors": [shm.manifest(self.bound.segment, entries)],
                    "load_format": shm.LOAD_FORMAT_BIND, "flush_cache": True, "weight_version": version}
+        t1 = time.perf_counter()
+        answers: dict[str, Any] = {}
+
+        def post(c: EngineClient) -> None:
+            answers[c.base_url] = c._post("/update_weights_from_tensor", payload, check_success=True)
+
         try:
-            self._each(lambda c: c._post("/update_weights_from_tensor", payload, check_success=True))
+            self._each(post)
         except BaseException:
             self.bound.discard()  # an engine may still apply this later: never write either half again
             raise
         self.bound.commit()
         self.last_chunks = 1
+        # where a push's time goes (benchmarks/weight_sync_bench.py prints it): the trainer's copy, then
+        # the engines' answers, of which the engine itself spent elapsed_s (apply_s on its scheduler thread)
+        engine = next(iter(answers.values()), None) or {}
+        self.last_timing = {"write_s": t1 - t0, "post_s": time.perf_counter() - t1,
+                            "engine_elapsed_s": engine.get("elapsed_s"), "engine_apply_s": engine.get("apply_s")}
 
     def _send_shm(self, named: NamedTensors, version: str) -> None:
         self.bound.close()
