@@ -133,7 +133,7 @@ class TrainerWorker(MegatronRank):
         """The step's stage fields `names` as float32 rows aligned with the batch's samples."""
         if not names:
             return {}
-        stored = self.data.get(batch.step, fields=["index", "response_tokens", *names])
+        stored = self.data.get(batch.step, fields=["index", *names])
         if [s.index for s in stored] != [s.index for s in batch.samples]:
             raise RuntimeError(f"step {batch.step}: the data plane holds other samples than the actor's batch")
         out = {}
@@ -170,8 +170,24 @@ class TrainerWorker(MegatronRank):
         named = self._gather_pipeline_stages(named)
         if self.rank != 0:
             return {}
+        if self.config.use_fault_tolerance:
+            # A host copy of what the engines serve, for an engine that joins before the next push (a
+            # replacement): push_kept_weights. It costs the model's size in host memory on rank 0.
+            self._kept_push = (version, [(n, t.detach().to("cpu", copy=True)) for n, t in named])
         report = push_for_config(named, engine_urls, version, self.config)
         report["export_seconds"] = time.perf_counter() - t0 - report["seconds"]
+        return report
+
+    def push_kept_weights(self, engine_urls: list[str]) -> dict[str, Any] | None:
+        """Rank 0 alone: push the weights of the last push (and its version) to `engine_urls`, the engines that
+        join the pool (relax.rollout.engine_pool). None when nothing was pushed yet (the engines serve
+        --hf-checkpoint, as a new one does). Needs no other rank, so it does not wait for a collective."""
+        kept = getattr(self, "_kept_push", None)
+        if kept is None:
+            return None
+        version, named = kept
+        report = push_for_config(named, engine_urls, version, self.config)
+        report["version"] = version
         return report
 
     def _gather_pipeline_stages(self, named: list) -> list:
