@@ -35,7 +35,7 @@ from relax.backends.embedded.testing import (
 )
 from relax.backends.engine_client import EngineClient, EngineRequestError
 from relax.weights import shm
-from relax.weights.sync import WeightSyncError, make_weight_sync
+from relax.weights.sync import WeightSyncError, close_all, make_weight_sync, push_for_config
 
 torch.set_num_threads(1)
 PROMPT = [12, 34, 56, 78, 90, 11]
@@ -292,7 +292,8 @@ def test_tensor_sync_binds_checks_every_tensor_and_removes_its_segment(server, m
         for i in range(3):
             named = perturbed_state_dict(base, seed=70 + i)
             report = sync.push(named, f"bind-{i}")  # --check-weight-update-equal: every tensor read back
-            assert sync.last_mode == "bind" and sync.segment is None and sync.last_chunks == 1
+            assert sync.last_mode == report["transport"] == "bind" and sync.segment is None
+            assert sync.last_chunks == 1
             assert report["bytes"] == sum(t.numel() * t.element_size() for _, t in named)
             paths.append(sync.bound.segment.path)
         assert len(set(paths)) == 1 and os.path.exists(paths[0])
@@ -356,3 +357,14 @@ def test_bind_requests_need_the_key_and_a_relax_segment(server):
         assert shm.LOAD_FORMAT_BIND in client.server_info()["weight_update_formats"]
     finally:
         client.close()
+
+
+def test_a_run_pushes_with_one_copy(server, model_dir):
+    """What the trainer role calls (`push_for_config`, --check-weight-update-equal on) takes this path."""
+    named = perturbed_state_dict(load_reference_model(model_dir), seed=95)
+    try:
+        report = push_for_config(named, [server.url], 7, {"check_weight_update_equal": True,
+                                                          "update_weight_buffer_size": 1 << 20})
+        assert report["transport"] == "bind" and EngineClient(server.url).get_weight_version() == "7"
+    finally:
+        close_all()

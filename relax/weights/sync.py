@@ -98,7 +98,7 @@ class WeightSync:
         total = _nbytes(named) * len(self.clients)
         return {"seconds": t2 - t0, "send_seconds": t1 - t0, "verify_seconds": t2 - t1, "bytes": total,
                 "engines": len(self.clients), "bytes_per_s": total / (t2 - t0) if t2 > t0 else 0.0,
-                "method": self.method}
+                "method": self.method, "transport": getattr(self, "last_mode", None) or self.method}
 
     def verify(self, named: NamedTensors, version: str) -> None:
         """Every engine serves `version`; with `check_equal`, every tensor it holds equals the one sent."""
