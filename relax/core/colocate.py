@@ -13,6 +13,10 @@ A step that pushes no weights (--update-weights-interval > 1) releases only the 
 weights are never dropped without a push to refill them. With --offload-train alone only the trainer side
 moves; with --offload-rollout alone only the engines'. Each engine keeps an event log of these calls
 (`memory_events` in GET /get_server_info) which tests use to check the order.
+
+The engines' side goes through the rollout manager's engine pool (`release_engine_memory`,
+`resume_engine_memory`), so it reaches the engines of the moment (a replaced or added engine too), and the
+pool knows what is released (its health probes pause meanwhile; an engine that joins follows suit).
 """
 
 from __future__ import annotations
@@ -31,13 +35,17 @@ WEIGHTS, KV_CACHE = "weights", "kv_cache"
 
 
 class ColocateProtocol:
-    def __init__(self, config: Any, workers: Sequence[Any], engine_urls: Sequence[str]):
+    def __init__(self, config: Any, workers: Sequence[Any], engine_urls: Sequence[str], rollout: Any = None):
+        """`rollout`: the rollout manager actor, whose engine pool the engines' calls go through; without it
+        (a fixed set of engines) they go to `engine_urls` directly."""
         self.config = config
         self.workers = list(workers)
+        self.rollout = rollout
         self.offload_train = bool(config.offload_train) and bool(self.workers) and not config.debug_rollout_only
         self.offload_rollout = bool(config.offload_rollout) and bool(engine_urls) and not config.rollout_external
         control = {"timeout_s": config.engine_control_timeout, "deadline_flag": "--engine-control-timeout"}
-        self.clients = [EngineClient(u, **control) for u in engine_urls] if self.offload_rollout else []
+        self.clients = ([EngineClient(u, **control) for u in engine_urls]
+                        if self.offload_rollout and rollout is None else [])
         self.trainer_offloaded = False
         self.released: set[str] = set()
 
@@ -70,6 +78,8 @@ class ColocateProtocol:
         if not self.offload_rollout:
             return {}
         t0 = time.perf_counter()
+        if self.rollout is not None:
+            ray.get(self.rollout.release_engine_memory.remote(tags))
         for client in self.clients:
             client.release_memory(tags)
         self.released |= set(tags)
@@ -80,6 +90,8 @@ class ColocateProtocol:
         if not tags:
             return 0.0
         t0 = time.perf_counter()
+        if self.rollout is not None:
+            ray.get(self.rollout.resume_engine_memory.remote(tags))
         for client in self.clients:
             client.resume_memory(tags)
         self.released -= set(tags)

@@ -116,7 +116,7 @@ class Controller:
         self.rollout = RolloutManager.options(num_cpus=1, runtime_env={"env_vars": engine_key}).remote(c)
         engines_ref = None
         if not c.debug_train_only and not c.colocate:
-            engines_ref = self.rollout.start_engines.remote(pg_rollout)
+            engines_ref = self.rollout.start_engines.remote(pg_rollout, weight_source=self.workers[0])
         capacity = c.rollout_batch_size * (c.max_staleness + 1) * c.n_samples_per_prompt
         # "packed" moves each sample as one record: 3-5x faster than one message part per field.
         self.data = DataPlane.start(c.num_data_storage_units, capacity_samples=capacity,
@@ -133,7 +133,7 @@ class Controller:
         self.stages = Stages(c, self.aux, trainers=self._trainers, trainer0=self._trainer0, bounded=self._bounded)
         if not c.debug_train_only:  # train-only debugging replays saved rollouts: no engines
             if engines_ref is None:
-                engines_ref = self.rollout.start_engines.remote(pg_rollout)
+                engines_ref = self.rollout.start_engines.remote(pg_rollout, weight_source=self.workers[0])
             self.engine_urls = self._wait([self.rollout], [engines_ref],
                                           [Call("rollout", "engine and router start")], None, "")[0]
             logger.info("rollout: %d engine(s) behind %s", len(self.engine_urls),
@@ -142,7 +142,7 @@ class Controller:
         if c.load:  # bounded like a save: a rank stuck reading the checkpoint ends the run by name
             run_bounded(lambda: self._resume(c.load), Call("checkpoint", f"resume from {c.load}"),
                         deadline_s=self.deadlines.train_s, flag=FLAGS["train"])
-        self.colocate = ColocateProtocol(c, self.workers, self.engine_urls)
+        self.colocate = ColocateProtocol(c, self.workers, self.engine_urls, rollout=self.rollout)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -188,8 +188,11 @@ class Controller:
                 # engines' weights back, KV cache still released
                 metrics.update(self._colocate("resume engines' weights", step, lambda: self.colocate.before_sync(step)))
                 with timeline.span("weight_push", step=step, cat="weights"):
+                    # the pool's engines of the moment (a replaced or added engine too), not those of the start
+                    self.engine_urls = self._rollout_call("push_targets", "engines for the weight push", step)
                     reports = self._trainers("push_weights", "weight push", step, self.engine_urls, step + 1,
                                              c.update_weight_buffer_size)
+                    self._rollout_call("weights_pushed", "weight version", step, step + 1, self.engine_urls)
                 sync = reports[0]
                 sync_time = time.perf_counter() - t2
                 metrics.update({"perf/weight_sync_bytes": float(sync["bytes"]),

@@ -1,6 +1,7 @@
 """Placement groups from the worker counts config validation derived from `--resource`
 (`actor_world_size`, `num_engines`): GPU bundles on GPU clusters, CPU bundles otherwise. Each trainer rank
-and each engine Relax starts gets one bundle."""
+and each engine Relax starts gets one bundle; an engine added beyond those gets a group of its own
+(`engine_bundle`)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,17 @@ def cluster_has_gpus() -> bool:
     return ray.cluster_resources().get("GPU", 0) > 0
 
 
+def engine_bundle(config: Any, use_gpu: bool) -> dict[str, float]:
+    """What one engine Relax starts takes: its --rollout-num-gpus-per-engine devices and a CPU. An engine added
+    at run time (relax.rollout.engine_pool) gets a placement group of one such bundle."""
+    return {"GPU": float(config.rollout_num_gpus_per_engine), "CPU": 1.0} if use_gpu else {"CPU": 1.0}
+
+
 def role_bundles(config: Any, role: str, use_gpu: bool) -> list[dict[str, float]]:
     """One bundle per trainer rank (role "actor") or per engine Relax starts (role "rollout")."""
     if role == "rollout":
-        per_engine = config.rollout_num_gpus_per_engine
         engines = 0 if config.rollout_external else config.num_engines
-        return [{"GPU": float(per_engine), "CPU": 1.0} if use_gpu else {"CPU": 1.0} for _ in range(engines)]
+        return [engine_bundle(config, use_gpu) for _ in range(engines)]
     if role == "actor":
         return [{"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0} for _ in range(config.actor_world_size)]
     raise ValueError(f"no bundles are reserved for role {role!r} here (auxiliary roles use the actor's layout)")

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from typing import Any
 
 import ray
+
+from relax.backends.embedded.launcher import EmbeddedServerProcess
+from relax.backends.sglang.server import SGLangServerProcess
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +63,8 @@ class EngineActor:
 
         def make():
             if self.backend == "embedded":
-                from relax.backends.embedded.launcher import EmbeddedServerProcess
-
                 return EmbeddedServerProcess(self.model_path, host=host, server_args=self.server_args,
                                              log_path=self.log_path)
-            from relax.backends.sglang.server import SGLangServerProcess
-
             return SGLangServerProcess(self.model_path, host=host, tp_size=self.tp_size,
                                        server_args=self.server_args, log_path=self.log_path)
 
@@ -73,6 +73,30 @@ class EngineActor:
 
     def alive(self) -> bool:
         return self.process is not None and self.process.is_alive()
+
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def restart(self, timeout_s: float = 300.0) -> str:
+        """A fresh server on this actor's devices (its placement bundle), from the model it was started with;
+        the old one is killed first. Returns the new URL (a new port)."""
+        self.kill_server()
+        return self.start(timeout_s)
+
+    def kill_server(self) -> None:
+        """SIGKILL the server's process group at once: a hung (even SIGSTOPped) server dies, and the router's
+        connections to it break, so the requests it held fail now and are sent again elsewhere."""
+        if self.process is None:
+            return
+        if self.process.is_alive():
+            self.process._signal_group(signal.SIGKILL)
+        self.process.stop(timeout_s=5.0)
+        self.process = None
+
+    def signal_server(self, sig: int) -> None:
+        """Send `sig` to the server's process group (test fault injection: SIGKILL, SIGSTOP)."""
+        if self.process is not None and self.process.is_alive():
+            self.process._signal_group(sig)
 
     def shutdown(self) -> None:
         if self.process is not None:

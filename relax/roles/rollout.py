@@ -1,8 +1,10 @@
 """Rollout role: the manager actor that owns the engines, the router, the prompt source and rewards.
 
 One call of `generate(step)` produces the step's samples and writes them into the step's data-plane
-partition. Engines join and leave the router at run time (`add_engine` / `remove_engine`), so an
-autoscaler or a health manager can change the set without a restart.
+partition. The engines are the manager's `EnginePool` (relax.rollout.engine_pool), the run's only list of
+them: the rollout, the controller's weight push (`push_targets`), colocation (`release_engine_memory`) and
+fault tolerance (--use-fault-tolerance: `HealthMonitor`) read it; engines join (with the current weights)
+and leave at run time (`add_engines`, `remove_engine`, `drain_engine`).
 
 Step metrics: `step_metrics` always; `--log-passrate`, `--log-multi-turn`, `--log-correct-samples`
 (which also writes OUTPUT_DIR/correct_samples/step_N.jsonl) and `--log-reward-category` add theirs
@@ -19,18 +21,31 @@ import time
 from typing import Any
 
 import ray
+from ray.util.placement_group import remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from relax.backends.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
+from relax.backends.relax_router.process import router_from_config
+from relax.backends.sglang.router import RouterProcess
 from relax.config.env import threads_per_process
+from relax.core.placement import cluster_has_gpus, create_placement_group, engine_bundle
 from relax.data.plane import DataPlane
 from relax.data.replay_record import run_record
+from relax.data.sample import Sample
 from relax.observability.accounting import delivery_accounting
+from relax.roles.engine import EngineActor, engine_bind_host
+from relax.rollout import generate as generation
 from relax.rollout.buffer import build_data_source
-from relax.rollout.context import load_hook
+from relax.rollout.context import RolloutContext, RolloutOutput, load_hook
+from relax.rollout.debug_data import load_rollout_data, save_rollout_data
+from relax.rollout.engine_pool import EnginePool, HealthMonitor
+from relax.rollout.evaluation import eval_sets, evaluate, passrate_metrics
+from relax.rollout.fault_injection import EngineFault, arm, fault_from_env
 from relax.rollout.prompts import PromptEncoder
 from relax.rollout.rewards import RewardRunner
-from relax.rollout.step_logs import group_variance_metrics
+from relax.rollout.step_logs import group_variance_metrics, step_log_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +109,34 @@ def step_metrics(samples: list[Any], gen_time: float) -> dict[str, float]:
     }
 
 
-@ray.remote
+def failover_window_s(config: Any) -> float:
+    """How long a failed request is sent again (--use-fault-tolerance): until the health monitor has found the
+    failed engine (first wait + one interval + one probe timeout), twice over, plus a margin."""
+    return (float(config.rollout_health_check_first_wait) + 2 * (float(config.rollout_health_check_interval)
+            + float(config.rollout_health_check_timeout)) + 30.0)
+
+
+def pool_metrics(events: list[dict[str, Any]]) -> dict[str, float]:
+    """Step metrics of the pool's events since the last step: failures, replacements, additions, and per
+    failure the detection latency (from an injected fault, when a test injected one) and recovery time."""
+    failed = [e for e in events if e["kind"] == "engine_failed"]
+    replaced = [e for e in events if e["kind"] == "engine_replaced"]
+    metrics = {"engines/failed": float(len(failed)), "engines/replaced": float(len(replaced)),
+               "engines/added": float(sum(e["kind"] == "engine_added" for e in events)),
+               "engines/removed": float(sum(e["kind"] == "engine_removed" for e in events))}
+    injected = {e["url"]: e["time"] for e in events if e["kind"] == "fault_injected"}
+    for f in failed:
+        if f["url"] in injected:
+            metrics["engines/detect_s"] = f["time"] - injected[f["url"]]
+        done = [r for r in replaced if r["old_url"] == f["url"]]
+        if done:
+            metrics["engines/recover_s"] = done[0]["time"] - f["time"]
+    return metrics
+
+
+# Threaded: the controller's pool calls (push targets, memory release) and the health monitor's work go on
+# while a step's generation runs; the pool is thread-safe.
+@ray.remote(max_concurrency=8)
 class RolloutManager:
     def __init__(self, config: Any):
         self.config = config
@@ -111,11 +153,15 @@ class RolloutManager:
         # The data plane is attached at the first put: the manager (and its engines) start while the
         # controller is still starting TransferQueue, which takes seconds on a small machine.
         self._data = None
-        self.engines: list[Any] = []
-        self.engine_urls: list[str] = []
+        self.pool: EnginePool | None = None
+        self.monitor: HealthMonitor | None = None
         self.router = None
         self.backend: str | None = None  # the engines' backend; None for external engines
         self.next_index = 0
+        self._events_seen = 0  # pool events already reported in a step's metrics
+        self.fault: EngineFault | None = fault_from_env()  # test-only (relax.rollout.fault_injection)
+        if config.use_fault_tolerance:
+            generation.set_failover_window(failover_window_s(config))
 
     def _data_plane(self) -> Any:
         if self._data is None:
@@ -123,76 +169,135 @@ class RolloutManager:
         return self._data
 
     # ------------------------------------------------------------------ engines and router
-    def start_engines(self, placement_group=None, bundle_offset: int = 0) -> list[str]:
-        from relax.backends.sglang.router import RouterProcess
-        from relax.roles.engine import EngineActor
-
+    def start_engines(self, placement_group=None, bundle_offset: int = 0, weight_source: Any = None) -> list[str]:
+        """The router, then the run's engines in the pool (one per bundle of `placement_group` from
+        `bundle_offset`). `weight_source`: trainer rank 0, which pushes the current weights to an engine that
+        joins later (with --use-fault-tolerance it keeps them for that)."""
         c = self.config
         log_dir = os.path.join(c.output_dir, "logs")
         os.makedirs(log_dir, exist_ok=True)
         if c.rollout_external:
-            urls = [a if a.startswith("http") else f"http://{a}" for a in c.rollout_external_engine_addrs]
+            count = len(c.rollout_external_engine_addrs)
         else:
-            backend = self.backend = c.rollout_backend  # `auto` is resolved (and checked) by config validation
-            num_engines = c.num_engines
-            args = engine_server_args(c, backend)
-            # The run's engine key, handed on explicitly: a Ray started elsewhere carries no job environment.
-            options: dict[str, Any] = {"num_cpus": 1,
-                                       "runtime_env": {"env_vars": {ENGINE_API_KEY_ENV: ensure_engine_api_key()}}}
-            for i in range(num_engines):
-                if placement_group is not None:
-                    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-                    options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                        placement_group=placement_group, placement_group_bundle_index=bundle_offset + i)
-                self.engines.append(EngineActor.options(**options).remote(
-                    backend, c.hf_checkpoint, args, c.rollout_num_gpus_per_engine, log_dir, i))
-            urls = ray.get([e.start.remote() for e in self.engines])
+            self.backend = c.rollout_backend  # `auto` is resolved (and checked) by config validation
+            count = c.num_engines
         if c.use_slime_router:  # Relax's own router (relax.backends.relax_router)
-            from relax.backends.relax_router.process import router_from_config
-            from relax.roles.engine import engine_bind_host
-
             self.router = router_from_config(
                 c, host=engine_bind_host(), log_path=os.path.join(log_dir, "router.log"),
-                default_max_connections=rollout_concurrency(c, self.backend, len(urls)) + 8).start()
+                default_max_connections=rollout_concurrency(c, self.backend, count) + 8).start()
         else:
             self.router = RouterProcess(host="127.0.0.1", port=c.sglang_router_port,
                                         policy=c.sglang_router_policy or "round_robin",
                                         log_path=os.path.join(log_dir, "router.log")).start()
-        for url in urls:
-            self.add_engine(url)
+        self.pool = EnginePool(self.router, make_actor=None if c.rollout_external else self._make_engine_actor,
+                               new_placement=self._new_placement, remove_placement=remove_placement_group,
+                               control_timeout_s=c.engine_control_timeout,
+                               sync_timeout_s=float(c.train_step_timeout or 3600.0))
+        self.pool.weight_source = weight_source
+        if c.rollout_external:
+            urls = [a if a.startswith("http") else f"http://{a}" for a in c.rollout_external_engine_addrs]
+            for url in urls:
+                self.pool.adopt(url)
+        else:
+            placements = [(placement_group, bundle_offset + i) if placement_group is not None else None
+                          for i in range(count)]
+            urls = self.pool.start_initial(placements)
+        if c.use_fault_tolerance and not c.rollout_external:
+            self.monitor = HealthMonitor(self.pool, interval_s=c.rollout_health_check_interval,
+                                         timeout_s=c.rollout_health_check_timeout,
+                                         first_wait_s=c.rollout_health_check_first_wait).start()
         return urls
 
+    def _make_engine_actor(self, engine_id: int, placement: Any) -> Any:
+        c = self.config
+        # The run's engine key, handed on explicitly: a Ray started elsewhere carries no job environment.
+        options: dict[str, Any] = {"num_cpus": 1,
+                                   "runtime_env": {"env_vars": {ENGINE_API_KEY_ENV: ensure_engine_api_key()}}}
+        if placement is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=placement[0], placement_group_bundle_index=placement[1])
+        return EngineActor.options(**options).remote(
+            self.backend, c.hf_checkpoint, engine_server_args(c, self.backend), c.rollout_num_gpus_per_engine,
+            os.path.join(c.output_dir, "logs"), engine_id)
+
+    def _new_placement(self) -> Any:
+        """Room for one engine beyond the run's first ones: a placement group of its own (one bundle)."""
+        group = create_placement_group([engine_bundle(self.config, cluster_has_gpus())],
+                                       f"relax-engine-{self.pool.next_id}")
+        return (group, 0) if group is not None else None
+
+    def set_weight_source(self, weight_source: Any) -> None:
+        self.pool.weight_source = weight_source
+
+    # The pool's operations, for the controller, tests and (later) an autoscaler.
+    def add_engines(self, count: int = 1) -> list[str]:
+        return self.pool.add(count)
+
     def add_engine(self, url: str) -> None:
-        self.router.add_worker(url)
-        self.engine_urls.append(url)
+        """An engine started elsewhere joins as it is (like --rollout-external)."""
+        self.pool.adopt(url)
 
     def remove_engine(self, url: str) -> None:
-        self.router.remove_worker(url)
-        self.engine_urls.remove(url)
+        self.pool.remove(url, stop=False)
+
+    def drain_engine(self, url: str, timeout_s: float = 30.0) -> bool:
+        return self.pool.drain(url, timeout_s)
+
+    def list_engines(self) -> list[dict[str, Any]]:
+        return self.pool.list() if self.pool is not None else []
+
+    def engine_events(self) -> list[dict[str, Any]]:
+        return list(self.pool.events) if self.pool is not None else []
 
     def get_engine_urls(self) -> list[str]:
-        return list(self.engine_urls)
+        return self.pool.urls() if self.pool is not None else []
+
+    def push_targets(self) -> list[str]:
+        """The engines the next weight push must reach (the controller asks before each push)."""
+        return self.pool.push_targets() if self.pool is not None else []
+
+    def weights_pushed(self, version: Any, urls: list[str]) -> None:
+        self.pool.set_weight_version(version, urls)
+
+    def weight_version(self) -> str | None:
+        return self.pool.weight_version if self.pool is not None else None
+
+    def release_engine_memory(self, tags: list[str]) -> None:
+        self.pool.release_memory(tags)
+
+    def resume_engine_memory(self, tags: list[str]) -> None:
+        self.pool.resume_memory(tags)
+
+    def inject_engine_fault(self, spec: str) -> None:
+        """Test-only: arm a fault (relax.rollout.fault_injection) for a later step."""
+        self.fault = EngineFault.parse(spec)
+
+    def _maybe_inject(self, step: int) -> None:
+        fault = self.fault
+        if fault is None or fault.step != step or self.pool is None:
+            return
+        self.fault = None
+        engines = [e for e in self.pool.engines.values() if e.url]
+        target = engines[fault.engine]
+        arm(fault, target.url, lambda sig: ray.get(target.actor.signal_server.remote(sig)),
+            lambda info: self.pool.event("fault_injected", engine=target.id, **info))
 
     def router_url(self) -> str:
         return self.router.url
 
     # ------------------------------------------------------------------ one step
     def _context(self, progress: Any = None) -> Any:
-        from relax.rollout.context import RolloutContext
-
+        urls = self.get_engine_urls()
         return RolloutContext(args=self.config, tokenizer=self.tokenizer, data_source=self.source,
                               rewards=self.rewards, router_url=self.router.url if self.router else None,
-                              engine_urls=list(self.engine_urls), progress=progress,
-                              max_concurrency=rollout_concurrency(self.config, self.backend, len(self.engine_urls)),
+                              engine_urls=urls, progress=progress,
+                              max_concurrency=rollout_concurrency(self.config, self.backend, len(urls)),
                               # SGLang gives every copy of an `n` request the same sampling seed (identical
                               # answers under deterministic sampling); the embedded engine gives copy j seed + j.
                               group_requests=self.backend == "embedded")
 
     def generate(self, step: int) -> dict[str, float]:
         """Produce step `step`'s samples (or replay saved ones) and write them into the data plane."""
-        from relax.rollout.debug_data import load_rollout_data, save_rollout_data
-
         c = self.config
         t0 = time.perf_counter()
         extra: dict[str, float] = {}
@@ -203,7 +308,11 @@ class RolloutManager:
                 raise RuntimeError(f"--load-debug-rollout-data: step {step} holds no samples")
             groups = _group(samples)
         else:
+            self._maybe_inject(step)
+            resends = generation.FAILOVER_RESENDS
             groups, extra = self._rollout(step)
+            if c.use_fault_tolerance:
+                extra["rollout/failover_resends"] = float(generation.FAILOVER_RESENDS - resends)
             samples = []
             for g in groups:
                 for s in g:
@@ -230,12 +339,8 @@ class RolloutManager:
         if c.load_debug_rollout_data:
             metrics["samples/replayed"] = float(from_rollout)
         if c.log_passrate:
-            from relax.rollout.evaluation import passrate_metrics
-
             metrics.update(passrate_metrics(groups, "rollout/"))
         if c.log_multi_turn or c.log_correct_samples or c.log_reward_category:
-            from relax.rollout.step_logs import step_log_metrics
-
             metrics.update(step_log_metrics(c, step, samples))
         if self.source is not None and hasattr(self.source, "stats"):
             stats = self.source.stats()
@@ -244,15 +349,15 @@ class RolloutManager:
                     metrics[f"rollout/{key}"] = float(stats[key])
         if self.log_fn is not None:
             metrics.update(self.log_fn(c, step, samples, dict(metrics)) or {})
+        if self.pool is not None:
+            events = self.pool.events[self._events_seen:]
+            self._events_seen += len(events)
+            metrics.update(pool_metrics(events))
+            metrics["engines/active"] = float(len(self.pool.urls()))
         metrics["perf/rollout_total_time"] = time.perf_counter() - t0
         return metrics
 
     def _rollout(self, step: int) -> tuple[list[list[Any]], dict[str, float]]:
-        from tqdm import tqdm
-
-        from relax.data.sample import Sample
-        from relax.rollout.context import RolloutOutput
-
         c = self.config
         if self.router is None:
             raise RuntimeError("rollout engines are not started (start_engines) and no "
@@ -276,8 +381,6 @@ class RolloutManager:
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Metrics under `eval/<name>/...` for the configured evaluation sets."""
-        from relax.rollout.evaluation import eval_sets, evaluate
-
         c = self.config
         if self.router is None:
             raise RuntimeError("evaluation needs the rollout engines (not available with --debug-train-only)")
@@ -301,12 +404,11 @@ class RolloutManager:
         self.next_index = state["next_index"]
 
     def shutdown(self) -> None:
+        if self.monitor is not None:
+            self.monitor.stop()
+            self.monitor = None
         if self.router is not None:
             self.router.stop()
             self.router = None
-        for engine in self.engines:
-            try:
-                ray.get(engine.shutdown.remote(), timeout=30)
-            except Exception:  # the engine actor may already be gone
-                pass
-        self.engines = []
+        if self.pool is not None:
+            self.pool.shutdown()

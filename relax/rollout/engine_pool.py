@@ -1,0 +1,460 @@
+"""The one list of rollout engines: `EnginePool`, owned by the rollout manager actor.
+
+Rollout (through the router), the weight push (the controller asks for `push_targets` before each push),
+colocation (memory release/resume) and fault tolerance all read this pool; nothing else keeps a list of
+engines. Each engine is an `Engine` record: its URL, its actor (None for --rollout-external engines), its
+placement (a bundle of the rollout placement group, or a placement group of its own for an engine added
+beyond the initial count), its state and the weight version it serves.
+
+An engine joins in this order: start (from --hf-checkpoint) -> weights -> router. "Weights": the pool's
+weight source (trainer rank 0, which keeps a host copy of the weights it pushed last, see
+`TrainerWorker.push_kept_weights`) pushes them to the new engine alone, and the engine must then report the
+pool's current weight version; only then is it registered with the router. Before the first push the
+engines serve --hf-checkpoint and a new one matches them as it starts.
+
+`HealthMonitor` (--use-fault-tolerance) probes every active engine's /health_generate every
+--rollout-health-check-interval s, each probe within --rollout-health-check-timeout s, from
+--rollout-health-check-first-wait s on. An engine that fails a probe leaves the router at once and its
+server is killed (SIGKILL, also when it hangs): the router's connections to it break, so the requests it
+held fail now and the rollout sends them again (`relax.rollout.generate.post_generate`'s failover window),
+to the other engines. Then it is restarted on the same actor (its devices) and joins as above. Probes pause
+while colocation has the engines' memory released (they would answer 503 by design).
+
+Every change is an event (`events`), with wall-clock times: injected faults, failures found (and why),
+replacements, additions, removals; the rollout manager reports them as step metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import ray
+
+from relax.backends.engine_client import EngineClient
+
+logger = logging.getLogger(__name__)
+
+STARTING, SYNCING, ACTIVE, DRAINING, DEAD, STOPPED = "starting", "syncing", "active", "draining", "dead", "stopped"
+SYNC_ATTEMPTS = 3  # a joining engine's weights are pushed again when the version moved on meanwhile
+REPLACE_ATTEMPTS = 3
+
+
+@dataclass
+class Engine:
+    id: int
+    actor: Any = None  # relax.roles.engine.EngineActor; None: an external engine Relax did not start
+    url: Optional[str] = None
+    placement: Any = None  # (placement group, bundle index) the actor runs on; None: anywhere
+    own_group: Any = None  # a placement group made for this engine alone (removed with it)
+    state: str = STARTING
+    weight_version: Optional[str] = None
+    started_at: float = field(default_factory=time.time)
+
+    def info(self) -> dict[str, Any]:
+        return {"id": self.id, "url": self.url, "state": self.state, "weight_version": self.weight_version,
+                "external": self.actor is None, "own_placement_group": self.own_group is not None,
+                "started_at": self.started_at}
+
+
+def _newer(version: str, than: Optional[str]) -> bool:
+    if than is None:
+        return True
+    try:
+        return int(version) > int(than)
+    except ValueError:
+        return version != than
+
+
+class EnginePool:
+    """`make_actor(engine_id, placement) -> actor` starts an EngineActor (the rollout manager knows the
+    backend, model, server flags and options); `new_placement() -> (group, bundle)` reserves room for one
+    more engine (None: schedule anywhere). Thread-safe: the rollout, the health monitor and the
+    controller's calls use it at once."""
+
+    def __init__(self, router: Any, *, make_actor: Optional[Callable[[int, Any], Any]] = None,
+                 new_placement: Optional[Callable[[], Any]] = None, remove_placement: Optional[Callable] = None,
+                 control_timeout_s: float = 60.0, start_timeout_s: float = 300.0, sync_timeout_s: float = 3600.0):
+        self.router = router
+        self.make_actor = make_actor
+        self.new_placement = new_placement
+        self.remove_placement = remove_placement
+        self.control_timeout_s = float(control_timeout_s)
+        self.start_timeout_s = float(start_timeout_s)
+        self.sync_timeout_s = float(sync_timeout_s)
+        self.lock = threading.RLock()
+        self.engines: dict[int, Engine] = {}
+        self.next_id = 0
+        self.weight_version: Optional[str] = None  # what the last push gave every engine; None: --hf-checkpoint
+        self.weight_source: Any = None  # trainer rank 0 (push_kept_weights)
+        self.released: set[str] = set()  # memory tags colocation has released on every engine
+        self.events: list[dict[str, Any]] = []
+        # what to do with an engine found dead outside the probes (before a push); set by the health monitor
+        self.on_failure: Optional[Callable[[Engine, str], None]] = None
+
+    # ------------------------------------------------------------------ reading
+    def urls(self, states: tuple[str, ...] = (ACTIVE,)) -> list[str]:
+        with self.lock:
+            return [e.url for e in self.engines.values() if e.state in states and e.url]
+
+    def list(self) -> list[dict[str, Any]]:
+        with self.lock:
+            return [e.info() for e in self.engines.values()]
+
+    def by_url(self, url: str) -> Engine:
+        with self.lock:
+            for e in self.engines.values():
+                if e.url == url:
+                    return e
+        raise KeyError(f"no engine {url} in the pool")
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        record = {"kind": kind, "time": time.time(), **fields}
+        with self.lock:
+            self.events.append(record)
+        logger.info("engine pool: %s", " ".join(f"{k}={v}" for k, v in record.items()))
+        return record
+
+    def _client(self, url: str, timeout_s: Optional[float] = None) -> EngineClient:
+        return EngineClient(url, timeout_s=timeout_s or self.control_timeout_s,
+                            deadline_flag="--engine-control-timeout")
+
+    # ------------------------------------------------------------------ joining
+    def _new_record(self, actor: Any = None, placement: Any = None, own_group: Any = None) -> Engine:
+        with self.lock:
+            engine = Engine(self.next_id, actor=actor, placement=placement, own_group=own_group)
+            self.engines[engine.id] = engine
+            self.next_id += 1
+        return engine
+
+    def start_initial(self, placements: list[Any]) -> list[str]:
+        """The run's first engines, one per placement, started at once and registered as they are: every one
+        serves --hf-checkpoint, which is the weights of the run's start."""
+        records = [self._new_record(placement=p) for p in placements]
+        for e in records:
+            e.actor = self.make_actor(e.id, e.placement)
+        urls = ray.get([e.actor.start.remote() for e in records])
+        for e, url in zip(records, urls):
+            e.url = url
+            self._register(e)
+        return urls
+
+    def adopt(self, url: str) -> None:
+        """An engine Relax did not start (--rollout-external): it joins the router as it is."""
+        e = self._new_record()
+        e.url = url
+        self._register(e)
+
+    def add(self, count: int = 1) -> list[str]:
+        """`count` engines beyond the current ones, each on room reserved for it alone; each gets the current
+        weights before it joins the router. Returns their URLs."""
+        if self.make_actor is None:
+            raise RuntimeError("this pool cannot start engines (external engines)")
+        added = []
+        for _ in range(count):
+            placement = self.new_placement() if self.new_placement is not None else None
+            own_group = placement[0] if placement is not None else None
+            e = self._new_record(placement=placement, own_group=own_group)
+            try:
+                e.actor = self.make_actor(e.id, placement)
+                e.url = ray.get(e.actor.start.remote(), timeout=self.start_timeout_s)
+                self._join(e)
+            except Exception:
+                self._stop(e)
+                self._discard(e)
+                raise
+            self.event("engine_added", engine=e.id, url=e.url, weight_version=e.weight_version)
+            added.append(e.url)
+        return added
+
+    def _join(self, e: Engine) -> None:
+        e.state = SYNCING
+        self._sync(e)
+        if self.released:  # colocation has the others' memory released: this one follows them
+            self._client(e.url).release_memory(sorted(self.released))
+        self._register(e)
+
+    def _sync(self, e: Engine) -> None:
+        """Give engine `e` the current weights and check that it serves the pool's version."""
+        client = self._client(e.url)
+        try:
+            for _ in range(SYNC_ATTEMPTS):
+                pushed = None
+                if self.weight_source is not None:
+                    pushed = ray.get(self.weight_source.push_kept_weights.remote([e.url]),
+                                     timeout=self.sync_timeout_s)
+                served = client.get_weight_version()
+                with self.lock:
+                    wanted = self.weight_version
+                    if pushed is not None and _newer(str(pushed["version"]), wanted):
+                        # the source keeps the last push's weights: a push that is still being sent to the
+                        # other engines (the pool hears of it when it has finished) is the current version
+                        wanted = self.weight_version = str(pushed["version"])
+                e.weight_version = served
+                if wanted is None or served == wanted:
+                    self.event("engine_synced", engine=e.id, url=e.url, weight_version=served,
+                               pushed=pushed is not None)
+                    return
+            raise RuntimeError(f"engine {e.url} serves weight version {served!r} after {SYNC_ATTEMPTS} pushes; the "
+                               f"pool's version is {wanted!r}")
+        finally:
+            client.close()
+
+    def _register(self, e: Engine) -> None:
+        self.router.add_worker(e.url)
+        with self.lock:
+            e.state = ACTIVE
+        self.event("engine_registered", engine=e.id, url=e.url, weight_version=e.weight_version)
+
+    def set_weight_version(self, version: Any, urls: list[str]) -> None:
+        """After a push of `version` to `urls` (each verified by the push itself)."""
+        with self.lock:
+            self.weight_version = str(version)
+            for e in self.engines.values():
+                if e.url in urls:
+                    e.weight_version = str(version)
+        self.event("weights_pushed", weight_version=str(version), urls=list(urls))
+
+    def push_targets(self) -> list[str]:
+        """The engines a weight push must reach now: the active ones and those taking weights to join. An
+        engine that does not answer /health is taken out first (replaced when `on_failure` is set), so a
+        push never waits on one that died since the last probe."""
+        with self.lock:
+            candidates = [e for e in self.engines.values() if e.state in (ACTIVE, SYNCING) and e.url]
+        if not candidates:
+            return []
+        with ThreadPoolExecutor(max_workers=len(candidates)) as pool:
+            alive = list(pool.map(lambda e: self._healthy(e.url, min(5.0, self.control_timeout_s)), candidates))
+        for e, ok in zip(candidates, alive):
+            if not ok and self.on_failure is not None:
+                self.on_failure(e, "no answer to /health before a weight push")
+        return [e.url for e, ok in zip(candidates, alive) if ok or self.on_failure is None]
+
+    def _healthy(self, url: str, timeout_s: float) -> bool:
+        client = self._client(url, timeout_s)
+        try:
+            return client.health(timeout_s=timeout_s)
+        finally:
+            client.close()
+
+    # ------------------------------------------------------------------ leaving
+    def leave_router(self, e: Engine) -> None:
+        try:
+            self.router.remove_worker(e.url)
+        except Exception as exc:  # already gone from the router (it may drop dead workers itself)
+            logger.warning("engine pool: removing %s from the router: %s", e.url, exc)
+
+    def remove(self, url: str, *, stop: bool = True) -> None:
+        """Take an engine out now: off the router, its server stopped, its own placement group given back."""
+        e = self.by_url(url)
+        with self.lock:
+            was = e.state
+            e.state = STOPPED
+        if was in (ACTIVE, DRAINING):
+            self.leave_router(e)
+        if stop:
+            self._stop(e)
+        self._discard(e)
+        self.event("engine_removed", engine=e.id, url=url)
+
+    def drain(self, url: str, timeout_s: float = 30.0) -> bool:
+        """Off the router (no new requests), wait until the engine has no request left or `timeout_s` passed,
+        then remove it. True when it had drained."""
+        e = self.by_url(url)
+        with self.lock:
+            e.state = DRAINING
+        self.leave_router(e)
+        deadline = time.monotonic() + timeout_s
+        drained = False
+        client = self._client(url, min(5.0, timeout_s) or 5.0)
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    load = client.get_load()
+                    rows = load if isinstance(load, list) else [load]
+                    if sum(int(r.get("num_reqs", 0)) for r in rows) == 0:
+                        drained = True
+                        break
+                except Exception:
+                    break  # no answer: nothing more to wait for
+                time.sleep(0.1)
+        finally:
+            client.close()
+        self.remove(url)
+        return drained
+
+    def _stop(self, e: Engine) -> None:
+        if e.actor is None:
+            return
+        try:
+            ray.get(e.actor.shutdown.remote(), timeout=30)
+        except Exception:  # the actor may already be gone
+            pass
+        try:
+            ray.kill(e.actor)  # its resources (a bundle of the placement group) are free for another engine
+        except Exception:
+            pass
+
+    def _discard(self, e: Engine) -> None:
+        with self.lock:
+            self.engines.pop(e.id, None)
+        if e.own_group is not None and self.remove_placement is not None:
+            try:
+                self.remove_placement(e.own_group)
+            except Exception:
+                pass
+
+    # ------------------------------------------------------------------ failures
+    def fail(self, e: Engine, reason: str) -> bool:
+        """Engine `e` failed: off the router at once and its server killed. False when another caller had
+        already taken it out (one failure is handled once)."""
+        with self.lock:
+            if e.state not in (ACTIVE, SYNCING):
+                return False
+            was, e.state = e.state, DEAD
+        self.event("engine_failed", engine=e.id, url=e.url, reason=reason)
+        if was == ACTIVE:
+            self.leave_router(e)
+        if e.actor is not None:
+            try:
+                ray.get(e.actor.kill_server.remote(), timeout=self.control_timeout_s)
+            except Exception as exc:  # the actor itself is gone: the replacement makes a new one
+                logger.warning("engine pool: killing the server of engine %d: %s", e.id, exc)
+        return True
+
+    def replace(self, e: Engine) -> str:
+        """Start engine `e` again on its own devices (its actor, or a new actor on its placement when the actor
+        is gone), give it the current weights and register it. Returns the new URL."""
+        if e.actor is None:
+            raise RuntimeError(f"engine {e.url} was not started by Relax (--rollout-external): it cannot be restarted")
+        old = e.url
+        last: Exception | None = None
+        for attempt in range(1, REPLACE_ATTEMPTS + 1):
+            with self.lock:
+                e.state = STARTING
+            try:
+                try:
+                    url = ray.get(e.actor.restart.remote(), timeout=self.start_timeout_s)
+                except ray.exceptions.RayActorError:
+                    e.actor = self.make_actor(e.id, e.placement)
+                    url = ray.get(e.actor.start.remote(), timeout=self.start_timeout_s)
+                e.url = url
+                e.started_at = time.time()
+                self._join(e)
+                self.event("engine_replaced", engine=e.id, old_url=old, url=url, weight_version=e.weight_version,
+                           attempt=attempt)
+                return url
+            except Exception as exc:
+                last = exc
+                logger.warning("engine pool: replacing engine %d (attempt %d): %s", e.id, attempt, exc)
+                with self.lock:
+                    e.state = DEAD
+        raise RuntimeError(f"engine {old} could not be replaced in {REPLACE_ATTEMPTS} attempts: {last}")
+
+    # ------------------------------------------------------------------ colocation
+    def release_memory(self, tags: list[str]) -> None:
+        for url in self.urls():
+            self._client(url).release_memory(tags)
+        with self.lock:
+            self.released |= set(tags)
+
+    def resume_memory(self, tags: list[str]) -> None:
+        tags = [t for t in tags if t in self.released]
+        if not tags:
+            return
+        for url in self.urls():
+            self._client(url).resume_memory(tags)
+        with self.lock:
+            self.released -= set(tags)
+
+    # ------------------------------------------------------------------ the end
+    def shutdown(self) -> None:
+        with self.lock:
+            engines = list(self.engines.values())
+        for e in engines:
+            self._stop(e)
+            self._discard(e)
+
+
+class HealthMonitor:
+    """--use-fault-tolerance: probes every active engine's /health_generate and replaces the ones that fail."""
+
+    def __init__(self, pool: EnginePool, *, interval_s: float, timeout_s: float, first_wait_s: float = 0.0):
+        self.pool = pool
+        self.interval_s = max(0.05, float(interval_s))
+        self.timeout_s = float(timeout_s)
+        self.first_wait_s = float(first_wait_s)
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._replacing: set[int] = set()
+        self.errors: list[str] = []  # replacements that failed for good
+        pool.on_failure = self.handle
+
+    def start(self) -> "HealthMonitor":
+        self._thread = threading.Thread(target=self._run, name="relax-engine-health", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.timeout_s + 5)
+
+    def _run(self) -> None:
+        if self._stop.wait(self.first_wait_s):
+            return
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            try:
+                self.probe_once()
+            except Exception as exc:  # a probe round must never end the monitor
+                logger.warning("engine health probe round failed: %r", exc)
+            self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - t0)))
+
+    def probe_once(self) -> list[str]:
+        """One round: every active engine at once. Returns the URLs that failed."""
+        if self.pool.released:  # colocation: engines answer 503 while their memory is released
+            return []
+        with self.pool.lock:
+            engines = [e for e in self.pool.engines.values() if e.state == ACTIVE and e.url]
+        if not engines:
+            return []
+
+        def probe(e: Engine) -> bool:
+            client = EngineClient(e.url, timeout_s=self.timeout_s)
+            try:
+                return client.health_generate(timeout_s=self.timeout_s)
+            finally:
+                client.close()
+
+        with ThreadPoolExecutor(max_workers=len(engines)) as executor:
+            answers = list(executor.map(probe, engines))
+        failed = []
+        for e, ok in zip(engines, answers):
+            if not ok and not self.pool.released:
+                failed.append(e.url)
+                self.handle(e, f"/health_generate did not answer 200 within {self.timeout_s:g} s "
+                               "(--rollout-health-check-timeout)")
+        return failed
+
+    def handle(self, e: Engine, reason: str) -> None:
+        """Take the engine out now; replace it in the background (probing goes on meanwhile)."""
+        if not self.pool.fail(e, reason):
+            return
+        if e.id in self._replacing:
+            return
+        self._replacing.add(e.id)
+        threading.Thread(target=self._replace, args=(e,), name=f"relax-replace-engine-{e.id}", daemon=True).start()
+
+    def _replace(self, e: Engine) -> None:
+        try:
+            self.pool.replace(e)
+        except Exception as exc:
+            self.errors.append(str(exc))
+            self.pool.event("engine_replace_failed", engine=e.id, reason=str(exc))
+        finally:
+            self._replacing.discard(e.id)

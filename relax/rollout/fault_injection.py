@@ -1,0 +1,83 @@
+"""Test-only fault injection into rollout engines: kill (SIGKILL) or hang (SIGSTOP) a chosen engine at a
+chosen rollout step, while it holds requests, so that fault tolerance is tested reproducibly.
+
+Never active in a normal run: a fault is armed only by the environment variable RELAX_TEST_ENGINE_FAULT
+(read once by the rollout manager; it reaches the manager when Relax starts Ray itself, as `relax-train`
+does) or by a test calling `RolloutManager.inject_engine_fault` on the manager actor. The value is
+`KIND:engine=I:step=N`, e.g. `kill:engine=1:step=1` or `hang:engine=0:step=0`: KIND is `kill` or
+`hang`, I the engine's place in the pool's list (start order), N the rollout step. At that step's
+generation the fault fires as soon as the engine reports a request in flight (its /get_load), or after
+`wait=S` seconds (default 30) if it never does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from relax.backends.engine_client import EngineClient
+
+logger = logging.getLogger(__name__)
+
+ENV = "RELAX_TEST_ENGINE_FAULT"
+SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
+
+
+@dataclass(frozen=True)
+class EngineFault:
+    kind: str  # "kill" | "hang"
+    engine: int  # place in the pool's list of engines
+    step: int
+    wait_s: float = 30.0
+
+    @classmethod
+    def parse(cls, text: str) -> "EngineFault":
+        kind, _, rest = text.strip().partition(":")
+        if kind not in SIGNALS:
+            raise ValueError(f"{ENV}: fault kind {kind!r} is not one of {sorted(SIGNALS)} (in {text!r})")
+        fields = dict(part.split("=", 1) for part in rest.split(":") if part)
+        unknown = set(fields) - {"engine", "step", "wait"}
+        if unknown or "engine" not in fields or "step" not in fields:
+            raise ValueError(f"{ENV}={text!r}: expected KIND:engine=I:step=N[:wait=S]")
+        return cls(kind, int(fields["engine"]), int(fields["step"]), float(fields.get("wait", 30.0)))
+
+
+def fault_from_env() -> Optional[EngineFault]:
+    text = os.environ.get(ENV)
+    return EngineFault.parse(text) if text else None
+
+
+def arm(fault: EngineFault, url: str, send_signal: Callable[[int], None],
+        on_fired: Callable[[dict[str, Any]], None]) -> threading.Thread:
+    """Fire `fault` at engine `url` (through `send_signal(sig)`) once it holds a request, from a thread."""
+
+    def busy() -> bool:
+        client = EngineClient(url, timeout_s=2.0)
+        try:
+            load = client.get_load()
+            rows = load if isinstance(load, list) else [load]
+            return sum(int(r.get("num_reqs", 0)) for r in rows) > 0
+        except Exception:
+            return False
+        finally:
+            client.close()
+
+    def run() -> None:
+        deadline = time.monotonic() + fault.wait_s
+        held = busy()
+        while not held and time.monotonic() < deadline:
+            time.sleep(0.02)
+            held = busy()
+        send_signal(SIGNALS[fault.kind])
+        logger.warning("test fault injection: %s engine %s at step %d", fault.kind, url, fault.step)
+        # in_flight: the engine held requests when the signal went out, so the fault hit work in progress
+        on_fired({"fault": fault.kind, "url": url, "step": fault.step, "in_flight": held})
+
+    thread = threading.Thread(target=run, name="relax-test-engine-fault", daemon=True)
+    thread.start()
+    return thread
