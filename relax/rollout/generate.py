@@ -9,6 +9,12 @@ derived from `--rollout-seed`, the rollout step, the prompt group and the sample
 inference) then samples the same tokens for the same sample whatever the batching, the engine that
 serves it or a restart in between, so a resumed run regenerates exactly the rollouts of a straight one.
 
+Failover (--use-fault-tolerance, `set_failover_window`): a request that fails on a server error (HTTP 5xx) or
+a broken connection, as requests held by an engine that died or hung do, is sent again, through the router,
+for up to the window's seconds without using up its retries: the health monitor takes the failed engine
+out of the router within that time (`relax.rollout.engine_pool`), so the request lands on another engine.
+The sample is filled only from the answer that succeeds, so it is neither lost nor counted twice.
+
 `call_engine` is the single HTTP call (with timeout and retries) that the default per-sample
 generation and custom generate functions (multi-turn, tool calls) share. `generate_one` fills one
 sample's response, resuming an aborted partial response when the sample carries one; `generate_group`
@@ -37,6 +43,10 @@ _ROLLOUT_SEED: int | None = None
 # Requests of a group are issued in group order (asyncio runs the group's tasks in creation order and the
 # concurrency semaphore wakes waiters first-in first-out), so the slots follow the group's sample order.
 _SLOTS: dict[tuple[int, int], int] = {}
+# Seconds a request failing on a server error or a broken connection is sent again without counting as a
+# retry (0: failover off); and how many such resends this process made (the rollout reports them per step).
+_FAILOVER_S = 0.0
+FAILOVER_RESENDS = 0
 
 
 def _mix64(*values: int) -> int:
@@ -57,6 +67,12 @@ def sample_seed(rollout_seed: int, rollout_step: int, group_index: int, slot: in
 def set_rollout_seed(seed: int | None) -> None:
     global _ROLLOUT_SEED
     _ROLLOUT_SEED = None if seed is None else int(seed)
+
+
+def set_failover_window(seconds: float) -> None:
+    """--use-fault-tolerance: how long failed requests are re-sent while a failed engine leaves the router."""
+    global _FAILOVER_S
+    _FAILOVER_S = max(0.0, float(seconds))
 
 
 def _seed_for(sample: Sample) -> int | None:
@@ -164,7 +180,9 @@ async def post_generate(session: aiohttp.ClientSession, url: str, payload: dict,
 
     Retries transport errors `retries` times, and waits out HTTP 503 (the router has no healthy engine for
     now, e.g. while its circuit breaker is open or an engine is being replaced) with backoff for up to
-    `unavailable_budget_s`; raises GenerationError at the end."""
+    `unavailable_budget_s`; within the failover window (`set_failover_window`) server errors and broken
+    connections are sent again without counting as retries; raises GenerationError at the end."""
+    global FAILOVER_RESENDS
     last_error = ""
     attempt = failures = 0
     started = time.monotonic()
@@ -187,6 +205,13 @@ async def post_generate(session: aiohttp.ClientSession, url: str, payload: dict,
             waited = time.monotonic() - started
             if status == 503 and waited < unavailable_budget_s:
                 await asyncio.sleep(min(5.0, 0.2 * 2 ** min(attempt, 5)))
+                last_error = ""
+                continue
+            timed_out = isinstance(exc, asyncio.TimeoutError) and status is None
+            if waited < _FAILOVER_S and not timed_out and (status is None or status >= 500):
+                FAILOVER_RESENDS += 1
+                logger.info("failover: %s via %s failed (%s); sending it again", what, url, last_error)
+                await asyncio.sleep(min(2.0, 0.1 * 2 ** min(attempt, 4)))
                 last_error = ""
                 continue
             failures += 1

@@ -1,0 +1,138 @@
+"""--use-fault-tolerance through the controller (Ray, Megatron on CPU, 2 embedded engines behind sglang-router):
+an engine killed (SIGKILL) or hung (SIGSTOP) while it holds requests, by the test-only fault injection of the
+rollout manager (relax.rollout.fault_injection). The run finishes; the failed engine's requests were sent
+again to the other engine, every sample of every step is there exactly once (the saved rollout data and the
+run's sample accounting); the replacement joins at the current weight version, the weight push reaches the
+pool's engines of the moment, and an engine added after the run's last push serves that push's weights."""
+
+import json
+import time
+
+import pytest
+import ray
+
+from conftest import assert_ray_released, shared_ray, shared_tiny_model
+
+from relax.backends.engine_client import EngineClient
+from relax.config import parse_config
+from relax.core.controller import Controller
+from relax.models.tasks import generate_task_dataset
+from relax.observability.accounting import step_problems
+from relax.rollout.debug_data import load_rollout_data
+
+pytestmark = pytest.mark.e2e  # a whole run: Ray, trainer, engines (deselect with -m 'not e2e')
+
+BATCH, N = 4, 2
+INTERVAL, TIMEOUT = 0.5, 3.0
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    base = tmp_path_factory.mktemp("fault")
+    data = generate_task_dataset(base / "train.jsonl", 16, seed=0, task="add_mod10")
+    return base, str(shared_tiny_model()), str(data)
+
+
+def make_config(assets, out, steps):
+    base, model, data = assets
+    return parse_config([
+        "--hf-checkpoint", model, "--prompt-data", data, "--apply-chat-template", "--input-key", "input",
+        "--label-key", "label", "--rm-type", "random", "--rollout-batch-size", str(BATCH),
+        "--n-samples-per-prompt", str(N), "--num-rollout", str(steps), "--rollout-max-response-len", "96",
+        "--rollout-temperature", "1.0", "--micro-batch-size", "8", "--lr", "1e-3", "--lr-decay-style", "constant",
+        "--resource", '{"actor": [1, 1], "rollout": [1, 2]}', "--distributed-backend", "gloo",
+        "--use-fault-tolerance", "--rollout-health-check-interval", str(INTERVAL),
+        "--rollout-health-check-timeout", str(TIMEOUT),
+        "--save-debug-rollout-data", str(base / out / "rollout_{rollout_id}.jsonl"),
+        "--output-dir", str(base / out)])
+
+
+def wait_active(rollout, count, timeout_s=180.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        engines = ray.get(rollout.list_engines.remote())
+        if sum(e["state"] == "active" for e in engines) == count:
+            return engines
+        time.sleep(0.5)
+    raise AssertionError(f"not {count} active engines within {timeout_s} s: {engines}")
+
+
+def check_samples(config, records):
+    """Every step trained exactly its prompt groups' samples, each sample once, all at one weight version."""
+    for step, rec in enumerate(records):
+        assert step_problems(rec, trained_expected=True) == []
+        assert rec["samples/to_train"] == rec["samples/trained"] == BATCH * N
+        samples = load_rollout_data(config.save_debug_rollout_data, step)
+        assert len({s.index for s in samples}) == len(samples) == BATCH * N
+        groups = {}
+        for s in samples:
+            groups.setdefault(s.group_index, []).append(s)
+        assert len(groups) == BATCH and all(len(g) == N for g in groups.values())
+        assert {s.weight_version for s in samples} == {step}, step  # step 0: --hf-checkpoint, reported as 0
+
+
+def run_with_fault(config, fault):
+    """Run `config` with `fault` armed; returns (metrics records, pool events, final engines)."""
+    shared_ray()
+    controller = Controller(config)
+    try:
+        controller.start()
+        ray.get(controller.rollout.inject_engine_fault.remote(fault))
+        controller.run()
+        engines = wait_active(controller.rollout, 2)
+        versions = {e["url"]: EngineClient(e["url"], timeout_s=30).get_weight_version() for e in engines}
+        events = ray.get(controller.rollout.engine_events.remote())
+        # an engine added now gets the last push's weights before it serves: the same answer as an old engine
+        (added,) = ray.get(controller.rollout.add_engines.remote(1))
+        versions[added] = EngineClient(added, timeout_s=30).get_weight_version()
+        payload = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "temperature": 0.0},
+                   "return_logprob": True}
+        answers = [EngineClient(u, timeout_s=60)._post("/generate", payload) for u in (engines[0]["url"], added)]
+        assert [a["meta_info"]["output_token_logprobs"] for a in answers][0] == \
+            answers[1]["meta_info"]["output_token_logprobs"]
+    finally:
+        controller.shutdown()
+    assert_ray_released()
+    records = [json.loads(line) for line in open(f"{config.output_dir}/metrics.jsonl")]
+    return records, events, versions
+
+
+def test_killed_engine_mid_rollout_is_replaced_at_the_current_weights(assets):
+    config = make_config(assets, "kill", steps=2)
+    records, events, versions = run_with_fault(config, "kill:engine=1:step=1")
+    assert len(records) == 2
+    check_samples(config, records)
+    fault = records[1]
+    assert fault["engines/failed"] == 1, fault
+    injected = next(e for e in events if e["kind"] == "fault_injected")
+    # the engine died holding requests: they were sent again (by sglang-router's own retry to another worker,
+    # or by the rollout's failover resends), since every sample of the step is there once
+    failed = next(e for e in events if e["kind"] == "engine_failed")
+    replaced = next(e for e in events if e["kind"] == "engine_replaced")
+    assert injected["in_flight"] and failed["url"] == injected["url"] and replaced["old_url"] == failed["url"]
+    # it joined serving the version of the last push before it joined (step 0's, or step 1's when it came up
+    # after that), and that push's weights were sent to it (the kept copy of trainer rank 0, or the push itself)
+    pushes = [e for e in events if e["kind"] == "weights_pushed" and e["time"] < replaced["time"]]
+    assert replaced["weight_version"] == pushes[-1]["weight_version"] in ("1", "2")
+    synced = [e for e in events if e["kind"] == "engine_synced" and e["url"] == replaced["url"]]
+    assert synced and synced[-1]["pushed"]
+    assert set(versions.values()) == {"2"}  # step 1's push reached the replacement; the added engine got it too
+    print(f"kill: resends {fault['rollout/failover_resends']:g}, detected after {failed['time'] - injected['time']:.2f} s, "
+          f"replaced {replaced['time'] - failed['time']:.2f} s later")
+
+
+def test_hung_engine_is_found_within_the_probe_timeout_and_replaced(assets):
+    config = make_config(assets, "hang", steps=1)
+    records, events, versions = run_with_fault(config, "hang:engine=0:step=0")
+    assert len(records) == 1
+    check_samples(config, records)
+    injected = next(e for e in events if e["kind"] == "fault_injected")
+    failed = next(e for e in events if e["kind"] == "engine_failed")
+    replaced = next(e for e in events if e["kind"] == "engine_replaced")
+    assert failed["url"] == injected["url"] and "health_generate" in failed["reason"]
+    assert injected["in_flight"] and records[0]["engines/failed"] == 1, records[0]
+    # one probe interval (the probe may have just started) plus one probe timeout, plus slack on a loaded CPU
+    assert failed["time"] - injected["time"] < INTERVAL + TIMEOUT + 2.0
+    assert set(versions.values()) == {"1"}
+    print(f"hang: resends {records[0]['rollout/failover_resends']:g}, detected after {failed['time'] - injected['time']:.2f} s, "
+          f"replaced {replaced['time'] - failed['time']:.2f} s later")

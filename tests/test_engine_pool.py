@@ -1,0 +1,147 @@
+"""The engine pool (relax.rollout.engine_pool) with real embedded engines on Ray and a router that records what
+it is told: an engine added at run time gets the current weights (the pushed tensors, the pool's version)
+before it joins the router; one that serves another version never joins; a killed or hung (SIGSTOP) engine
+is found by the health monitor, leaves the router and is replaced, re-synced, on the same actor."""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file
+
+from conftest import assert_ray_released
+
+from relax.backends.engine_client import EngineClient
+from relax.roles.engine import EngineActor
+from relax.rollout.engine_pool import ACTIVE, EnginePool, HealthMonitor
+
+SERVER_ARGS = {"dtype": "float32", "random_seed": 0, "num_threads": 1, "max_running_requests": 8}
+
+
+class Router:
+    """Records membership changes, in order, with the weight version each engine serves at that moment."""
+
+    def __init__(self):
+        self.log = []
+
+    def add_worker(self, url):
+        self.log.append(("add", url, EngineClient(url, timeout_s=10).get_weight_version()))
+
+    def remove_worker(self, url):
+        self.log.append(("remove", url, None))
+
+    def workers(self):
+        now = []
+        for op, url, _ in self.log:
+            now = now + [url] if op == "add" else [u for u in now if u != url]
+        return now
+
+
+@ray.remote
+class WeightSource:
+    """Stands in for trainer rank 0: keeps the weights of the 'last push' and pushes them to given engines."""
+
+    def __init__(self, named, version):
+        self.named, self.version, self.pushes = named, version, []
+
+    def push_kept_weights(self, urls):
+        from relax.weights.sync import push_named_tensors
+
+        self.pushes.append(list(urls))
+        report = push_named_tensors(self.named, urls, self.version, 1 << 20, timeout_s=60)
+        return {**report, "version": self.version}
+
+    def calls(self):
+        return self.pushes
+
+
+def perturbed_weights(model_dir):
+    tensors = load_file(str(Path(model_dir) / "model.safetensors"))
+    return [(name, t + 0.5) for name, t in sorted(tensors.items())]
+
+
+def make_pool(model_dir, tmp_path, router):
+    def make_actor(engine_id, placement):
+        return EngineActor.options(num_cpus=0).remote("embedded", model_dir, SERVER_ARGS, 1, str(tmp_path), engine_id)
+
+    return EnginePool(router, make_actor=make_actor, control_timeout_s=30, start_timeout_s=180, sync_timeout_s=120)
+
+
+def test_added_engine_gets_current_weights_before_it_joins(ray_session, tiny_model, tmp_path):
+    router = Router()
+    pool = make_pool(tiny_model, tmp_path, router)
+    named = perturbed_weights(tiny_model)
+    try:
+        pool.start_initial([None])
+        first = pool.urls()[0]
+        assert router.log == [("add", first, "default")]  # --hf-checkpoint, before any push
+        # a push of version 3 happened (to the first engine); the pool knows it, trainer rank 0 kept the weights
+        source = WeightSource.options(num_cpus=0).remote(named, 3)
+        ray.get(source.push_kept_weights.remote([first]))
+        pool.set_weight_version(3, [first])
+        pool.weight_source = source
+
+        (added,) = pool.add(1)
+        assert ray.get(source.calls.remote())[-1] == [added]
+        assert router.log[-1] == ("add", added, "3")  # it served version 3 when it joined the router
+        assert pool.by_url(added).state == ACTIVE and pool.by_url(added).weight_version == "3"
+        client = EngineClient(added, timeout_s=30)
+        name, tensor = named[0]
+        served = torch.tensor(client.get_weights_by_name(name, truncate_size=10 ** 9)).reshape(tensor.shape)
+        assert torch.allclose(served, tensor.float())
+        kinds = [e["kind"] for e in pool.events if e.get("url") == added]
+        assert kinds == ["engine_synced", "engine_registered", "engine_added"]
+
+        # the version moved on without this source: an engine that cannot be brought to it never joins
+        pool.set_weight_version(4, [])
+        with pytest.raises(RuntimeError, match="serves weight version '3'"):
+            pool.add(1)
+        assert router.workers() == [first, added] and len(pool.list()) == 2
+    finally:
+        pool.shutdown()
+    assert_ray_released()
+
+
+@pytest.mark.parametrize("fault", ["kill", "hang"])
+def test_failed_engine_leaves_the_router_and_is_replaced(ray_session, tiny_model, tmp_path, fault):
+    router = Router()
+    pool = make_pool(tiny_model, tmp_path, router)
+    named = perturbed_weights(tiny_model)
+    monitor = None
+    try:
+        pool.start_initial([None, None])
+        a, b = pool.urls()
+        source = WeightSource.options(num_cpus=0).remote(named, 5)
+        ray.get(source.push_kept_weights.remote([a, b]))
+        pool.set_weight_version(5, [a, b])
+        pool.weight_source = source
+        monitor = HealthMonitor(pool, interval_s=0.5, timeout_s=2.0).start()
+        victim = pool.by_url(b)
+        pid = ray.get(victim.actor.pid.remote())
+        t0 = time.time()
+        os.killpg(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        deadline = time.monotonic() + 120
+        while not any(e["kind"] == "engine_replaced" for e in pool.events) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        failed = next(e for e in pool.events if e["kind"] == "engine_failed")
+        replaced = next(e for e in pool.events if e["kind"] == "engine_replaced")
+        # found within one interval plus one probe timeout (plus scheduling slack on a loaded machine)
+        assert failed["url"] == b and failed["time"] - t0 < 0.5 + 2.0 + 3.0
+        assert ("remove", b, None) in router.log
+        new = replaced["url"]
+        assert new != b and router.log[-1] == ("add", new, "5")  # re-synced before it joined
+        assert sorted(router.workers()) == sorted([a, new])
+        assert ray.get(victim.actor.pid.remote()) != pid  # a new server on the same actor
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # the hung server was killed, not left stopped
+        print(f"{fault}: detected after {failed['time'] - t0:.2f} s, replaced {replaced['time'] - failed['time']:.2f} s "
+              "later")
+    finally:
+        if monitor is not None:
+            monitor.stop()
+        pool.shutdown()
+    assert_ray_released()
