@@ -111,5 +111,31 @@ def check_router(v: dict, explicit) -> None:
             raise ConfigError(str(exc)) from None
 
 
-RULES: tuple = (check_debug, check_filters, check_logging, check_router)
+_HEALTH_FLAGS = {"rollout_health_check_interval": ("--rollout-health-check-interval", 30.0),
+                 "rollout_health_check_timeout": ("--rollout-health-check-timeout", 30.0),
+                 "rollout_health_check_first_wait": ("--rollout-health-check-first-wait", 0.0)}
+
+
+def check_fault_tolerance(v: dict, explicit) -> None:
+    """--use-fault-tolerance and its probe settings (relax.rollout.engine_pool.HealthMonitor)."""
+    if not v.get("use_fault_tolerance"):
+        for dest, (name, default) in _HEALTH_FLAGS.items():
+            if dest in explicit and float(v.get(dest) or 0) != default:
+                raise ConfigError(f"{name} sets the engine health probes of --use-fault-tolerance: add "
+                                  f"--use-fault-tolerance (or drop {name})")
+        return
+    if v.get("rollout_external"):
+        raise ConfigError("--use-fault-tolerance restarts engines Relax started; with --rollout-external it cannot "
+                          "restart yours: drop one of the two")
+    if not v["rollout_health_check_interval"] > 0:
+        raise ConfigError(f"--rollout-health-check-interval must be > 0 seconds, got "
+                          f"{v['rollout_health_check_interval']}")
+    if not v["rollout_health_check_timeout"] > 0:
+        raise ConfigError(f"--rollout-health-check-timeout must be > 0 seconds, got {v['rollout_health_check_timeout']}")
+    if v["rollout_health_check_first_wait"] < 0:
+        raise ConfigError(f"--rollout-health-check-first-wait must be >= 0 seconds, got "
+                          f"{v['rollout_health_check_first_wait']}")
+
+
+RULES: tuple = (check_debug, check_filters, check_logging, check_router, check_fault_tolerance)
 POST_DERIVE_RULES: tuple = (check_eval, check_multimodal)

@@ -28,4 +28,8 @@ ROLLOUT_FEATURES: frozenset[str] = frozenset({
     "skip_bad_lines",
     # multimodal inputs to SGLang (relax.rollout.multimodal; tests/test_rollout_flags_multimodal.py)
     "multimodal_keys",
+    # engine fault tolerance: health probes, failover, replacement re-synced to the current weights
+    # (relax.rollout.engine_pool; tests/test_engine_fault_tolerance.py, tests/test_engine_pool.py)
+    "use_fault_tolerance", "rollout_health_check_interval", "rollout_health_check_timeout",
+    "rollout_health_check_first_wait",
 })
