@@ -23,6 +23,7 @@ import torch
 from conftest import shared_tiny_model
 
 from relax.backends.embedded import shared_weights
+from relax.backends.embedded.weight_names import expert_aliases
 from relax.backends.embedded.engine import EmbeddedEngine, EngineError
 from relax.backends.embedded.launcher import EmbeddedServerProcess
 from relax.backends.embedded.sampling import SamplingParams
@@ -34,6 +35,8 @@ from relax.backends.embedded.testing import (
     response_logprobs,
 )
 from relax.backends.engine_client import EngineClient, EngineRequestError
+from relax.backends.megatron.testing import build_random_tiny_moe_model
+from relax.models.tiny import build_byte_tokenizer
 from relax.weights import shm
 from relax.weights.sync import WeightSyncError, close_all, make_weight_sync, push_for_config
 
@@ -240,6 +243,36 @@ def test_a_dtype_the_engine_does_not_hold_is_copied_not_bound(engine):
         assert res["bound"] == len(named)
     finally:
         bs.close()
+
+
+def test_fused_experts_are_copied_and_the_rest_stays_bound(tmp_path, monkeypatch):
+    """A MoE engine takes per-expert names into transformers' fused expert tensors by copy (private memory),
+    every other parameter is bound, push after push, without moving bound parameters out of the segment."""
+    moe = build_random_tiny_moe_model(tmp_path / "moe", seed=3)
+    build_byte_tokenizer().save_pretrained(moe)
+    eng = EmbeddedEngine(str(moe), random_seed=0).start()
+    bs, cache = shm.BoundSegment(), shm.SegmentCache()
+    try:
+        g = torch.Generator().manual_seed(0)
+        fused, shapes = set(), []
+        for name, p in eng.model.named_parameters():
+            aliases = expert_aliases(name, p)
+            fused |= {name} if aliases else set()
+            shapes += [(n, a.shape) for n, a in aliases.items()] or [(name, p.shape)]
+        assert fused
+        for i in range(2):
+            named = [(n, torch.randn(shape, generator=g)) for n, shape in shapes]
+            if i:  # the copies go to private memory: nothing bound has to move out of the segment first
+                monkeypatch.setattr(shared_weights, "privatize", lambda _e: pytest.fail("privatized"))
+            res = _bind(eng, bs, cache, named, f"moe-{i}")
+            assert res["copied"] == len(named) - res["bound"] and res["bound"] == len(shapes) - res["copied"] > 0
+            assert sorted(shared_weights.bound_parameters(eng)) == sorted(
+                n for n, _ in eng.model.named_parameters() if n not in fused)
+            targets = eng._named_targets()
+            assert all(torch.equal(targets[n], t) for n, t in named)
+    finally:
+        bs.close()
+        eng.shutdown()
 
 
 def test_offloaded_weights_refuse_and_resume_rebinds(model_dir):

@@ -129,14 +129,15 @@ def bind(engine: "EmbeddedEngine", pieces: list[Piece], weight_version: str | No
     then take `weight_version`. Checked in full first: a rejected update changes nothing."""
     _refuse_if_offloaded(engine)
     binds, copies = _bind_plan(engine, pieces)
-    if copies and _bound_storages(engine):
-        # a copy could land in pages of a sender's segment (an alias view of a bound parameter): give the
-        # bound parameters private memory first, then plan again on the new storage
+    bases = _bound_storages(engine)
+    if any(dst.numel() and dst.untyped_storage().data_ptr() in bases for _, dst, _ in copies):
+        # a copy would land in pages of a sender's segment (e.g. an alias view of a bound parameter): give
+        # the bound parameters private memory first, then plan again on the new storage. Copies into
+        # private tensors (fused MoE experts, buffers, another dtype) need not, push after push.
         privatize(engine)
         binds, copies = _bind_plan(engine, pieces)
     t0 = time.perf_counter()
     base = segment.untyped_storage().data_ptr()
-    bases = _bound_storages(engine)
     with torch.no_grad():
         for p, view in binds:
             p.data = view
