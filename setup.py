@@ -25,6 +25,7 @@ setup(
         "apprise",
         "clearml",
         "matplotlib",  # relax-plot (Agg canvas, no display)
+        "memray",  # --memory-recorder memray (host memory of the trainer ranks)
         "sglang-router>=0.3",
         "fastapi",
         "uvicorn",

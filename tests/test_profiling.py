@@ -64,3 +64,25 @@ def test_cuda_recorders_need_a_gpu(tmp_path):
             pass
     with pytest.raises(RuntimeError, match="needs a GPU"):
         install_cuda_memory_check()
+
+
+@pytest.mark.e2e
+def test_a_run_writes_its_profiles_and_memory_record(tmp_path, tiny_model, prompt_file):
+    from conftest import run_steps
+
+    from relax.config.support import require_supported
+
+    config = parse_config([
+        "--hf-checkpoint", tiny_model, "--prompt-data", str(prompt_file), "--input-key", "input", "--label-key",
+        "label", "--rm-type", "random", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+        "--rollout-max-response-len", "2", "--num-rollout", "1", "--output-dir", str(tmp_path / "run"),
+        "--use-pytorch-profiler", "--profile-step-start", "0", "--profile-step-end", "1",
+        "--profile-target", "train_overall", "train_actor", "--memory-snapshot-num-steps", "1",
+        "--memory-recorder", "memray", "--memory-snapshot-dir", str(tmp_path / "mem")])
+    require_supported(config)
+    run_steps(config)
+    profiles = sorted(p.name for p in (tmp_path / "run" / "profiles").iterdir())
+    assert profiles == ["train_overall-step0-rank0.json"]  # train_actor: a labelled range inside it
+    events = json.loads((tmp_path / "run" / "profiles" / profiles[0]).read_text())["traceEvents"]
+    assert any(e.get("name") == "train_actor" for e in events)
+    assert (tmp_path / "mem" / "memray-rank0.bin").stat().st_size > 0

@@ -29,6 +29,9 @@ GPU_ONLY_REASONS: dict[str, str] = {
                                            "GPU-to-CPU offload",
     "disable_bf16_reduced_precision_matmul": "switches off cuBLAS's reduced-precision reductions in bf16 matrix "
                                              "products (torch.backends.cuda.matmul); CPU matmuls have no such mode",
+    # Relax's own GPU-only switch (relax.observability.profiling), not a Megatron setting: the trainer ranks wrap
+    # torch.distributed's collectives when it is on
+    "enable_cuda_memory_check": "logs free GPU memory (torch.cuda.mem_get_info) around every collective",
 }
 GPU_ONLY_FEATURES: frozenset[str] = frozenset(GPU_ONLY_REASONS)
 
@@ -52,6 +55,9 @@ def local_run_has_gpu() -> bool | None:
 def require_gpu_for(config: Any) -> None:
     """Refuse GPU-only flags on a local CPU-only run, naming each flag and why it needs a GPU."""
     flags = gpu_only_flags(config)
+    if config.get("memory_snapshot_num_steps") and config.get("memory_recorder") == "torch":
+        flags.append("--memory-snapshot-num-steps with --memory-recorder torch (records PyTorch's CUDA allocator; "
+                     "--memory-recorder memray records host memory on CPU)")
     if flags and local_run_has_gpu() is False:
         raise ConfigError("needs a GPU, and this machine has none: " + "; ".join(flags)
                           + ". Remove these flags to run on the CPU")

@@ -11,4 +11,9 @@ OPS_FEATURES: frozenset[str] = frozenset({
     # relax/observability/timeline.py: every process's spans, merged by relax/core/controller.py into one Chrome
     # trace; tests/test_timeline.py and tests/test_e2e_grpo.py (the stages of each step nest in it)
     "timeline_dump_dir",
+    # relax/observability/profiling.py, used by relax/roles/trainer.py; tests/test_profiling.py (a run's profiles and
+    # memray record). --enable-cuda-memory-check is GPU-only (relax.config.support_gpu)
+    "use_pytorch_profiler", "profile_step_start", "profile_step_end", "profile_ranks", "profile_target",
+    "profile_with_stack", "profile_with_memory", "profile_with_flops", "memory_snapshot_dir",
+    "memory_snapshot_num_steps", "memory_recorder",
 })

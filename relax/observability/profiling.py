@@ -3,7 +3,9 @@
 - `--use-pytorch-profiler` (Megatron-LM's switch, with its `--profile-step-start/-end` and `--profile-ranks`)
   profiles the chosen `--profile-target` sections with `torch.profiler` on those steps and ranks: `train_overall`
   (the whole training call of a step on the rank), `train_actor` (the actor's optimizer updates),
-  `train_log_probs` (the forward passes that compute log-probs before the update). `--profile-with-stack/
+  `train_log_probs` (the forward passes that compute log-probs before the update); a target inside another that
+  is profiled (train_actor inside train_overall) is a labelled range of the outer trace, since a process runs
+  one torch.profiler session at a time. `--profile-with-stack/
   -memory/-flops` are torch.profiler's `with_stack`, `profile_memory`, `with_flops`. Each profiled section is
   written as a Chrome trace `<--output-dir>/profiles/<target>-step<N>-rank<R>.json`.
   CUDA activity is recorded too when there is a GPU.
@@ -48,6 +50,7 @@ class Profiling:
     snapshot_steps: int = 0
     recorder: str = "torch"
     _recording: Any = field(default=None, repr=False)
+    _running: dict = field(default_factory=dict, repr=False)
     _recorded_steps: int = field(default=0, repr=False)
 
     @classmethod
@@ -67,15 +70,38 @@ class Profiling:
     @contextmanager
     def section(self, target: str, step: int) -> Iterator[None]:
         """Profile the block when `target` is chosen for this step and rank; otherwise just run it."""
-        if not self.profiles(target, step):
+        self.start(target, step)
+        try:
             yield
+        finally:
+            self.stop(target, step)
+
+    def start(self, target: str, step: int) -> None:
+        """Start profiling `target` (for a section that spans several calls, e.g. train_overall); see `stop`."""
+        if not self.profiles(target, step) or (target, step) in self._running:
+            return
+        if self._running:  # one torch.profiler session per process: inside another, a labelled range of it
+            label = torch.profiler.record_function(target)
+            label.__enter__()
+            self._running[(target, step)] = label
             return
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with torch.profiler.profile(activities=activities, with_stack=self.with_stack,
-                                    profile_memory=self.with_memory, with_flops=self.with_flops) as prof:
-            yield
+        prof = torch.profiler.profile(activities=activities, with_stack=self.with_stack,
+                                      profile_memory=self.with_memory, with_flops=self.with_flops)
+        prof.start()
+        self._running[(target, step)] = prof
+
+    def stop(self, target: str, step: int) -> None:
+        """Stop profiling `target` and write its Chrome trace (nothing when it was not started)."""
+        prof = self._running.pop((target, step), None)
+        if prof is None:
+            return
+        if isinstance(prof, torch.profiler.record_function):
+            prof.__exit__(None, None, None)
+            return
+        prof.stop()
         self.profile_dir.mkdir(parents=True, exist_ok=True)
         path = self.profile_dir / f"{target}-step{step}-rank{self.rank}.json"
         prof.export_chrome_trace(str(path))
@@ -84,17 +110,24 @@ class Profiling:
     @contextmanager
     def memory_step(self) -> Iterator[None]:
         """Around one training step: records memory for the run's first `snapshot_steps` steps, then writes it."""
-        if self._recorded_steps >= self.snapshot_steps:
-            yield
-            return
-        if self._recording is None:
-            self._recording = self._start_recording()
+        self.memory_begin()
         try:
             yield
         finally:
-            self._recorded_steps += 1
-            if self._recorded_steps >= self.snapshot_steps:
-                self._stop_recording()
+            self.memory_end()
+
+    def memory_begin(self) -> None:
+        """At the start of a training step (see `memory_step`)."""
+        if self._recorded_steps < self.snapshot_steps and self._recording is None:
+            self._recording = self._start_recording()
+
+    def memory_end(self) -> None:
+        """At the end of a training step: after the first `snapshot_steps` steps the record is written."""
+        if self._recording is None or self._recording == "done":
+            return
+        self._recorded_steps += 1
+        if self._recorded_steps >= self.snapshot_steps:
+            self._stop_recording()
 
     def _start_recording(self) -> Any:
         self.snapshot_dir.mkdir(parents=True, exist_ok=True)

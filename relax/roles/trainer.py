@@ -15,6 +15,7 @@ from relax.backends.megatron.arch import arch_for_run
 from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
 from relax.config.support_gpu import GPU_ONLY_REASONS
 from relax.data.plane import DataPlane
+from relax.observability.profiling import Profiling, install_cuda_memory_check
 from relax.roles.megatron_rank import MegatronRank
 from relax.rollout.rewards.runner import check_step_rewards, reward_name
 from relax.training.step import advantage_stage, check_rows, forward_stage, update_stage
@@ -67,9 +68,13 @@ class TrainerWorker(MegatronRank):
     def __init__(self, config: Any, rank: int, world_size: int, threads: int = 1):
         super().__init__(config, rank, world_size, threads)
         self._batches: dict[int, Any] = {}  # step -> StepBatch, from the forward stage to the update
+        # --use-pytorch-profiler sections and --memory-snapshot-num-steps records of this rank
+        self.profiling = Profiling.from_config(config, rank)
 
     def setup(self, master_addr: str, master_port: int, backend: str) -> dict[str, Any]:
         self.join_process_group(master_addr, master_port, backend)
+        if self.config.enable_cuda_memory_check:  # before the model's collectives
+            install_cuda_memory_check()
         # The --hf-checkpoint model (architecture flags given with it were checked to agree before the run), else
         # the model the architecture flags describe, randomly initialised until --ref-load or --load fills it.
         self.trainer = MegatronTrainer(arch_for_run(self.config), trainer_settings(self.config))
@@ -92,9 +97,12 @@ class TrainerWorker(MegatronRank):
         as `old_logprobs` (by rank 0; every rank computed all of them) when the loss needs them. A step whose
         every reward failed is not trained on (`relax.rollout.rewards.runner.check_step_rewards`)."""
         t0 = time.perf_counter()
+        self.profiling.memory_begin()  # a training step runs from this stage to the update (`train`)
+        self.profiling.start("train_overall", step)
         samples = self.data.get(step)  # the whole step, in index order, on every rank
         failed = check_step_rewards(samples, step, reward_name(self.config))
-        batch, olds = forward_stage(self.trainer, samples, self.config, step)
+        with self.profiling.section("train_log_probs", step):
+            batch, olds = forward_stage(self.trainer, samples, self.config, step)
         batch.metrics["train/reward_failed_samples"] = float(failed)
         if olds is not None and self.rank == 0:
             self.data.put_fields(step, [s.index for s in batch.samples], old_logprobs=olds)
@@ -121,7 +129,11 @@ class TrainerWorker(MegatronRank):
         if "ref_logprobs" in self.data.written_fields(step):
             wanted.append("ref_logprobs")
         rows = self._read_fields(batch, wanted)
-        return update_stage(self.trainer, batch, self.config, **rows)
+        with self.profiling.section("train_actor", step):
+            metrics = update_stage(self.trainer, batch, self.config, **rows)
+        self.profiling.stop("train_overall", step)
+        self.profiling.memory_end()
+        return metrics
 
     def _batch(self, step: int):
         batch = self._batches.get(step)
