@@ -26,6 +26,7 @@ def _run(path, samples, **layout):
 
 def _worker(rank, world, path, samples):
     out = _run(path, samples, cp=2)
+    out["cp_comm_type"] = hf_trainer(path, **BASE, cp=2, allgather_cp=True).config.cp_comm_type
     out["cp_rank"] = ps.get_context_parallel_rank()
     out["dp"] = ps.get_data_parallel_world_size()
     return out
@@ -50,6 +51,7 @@ def test_context_parallel_matches_one_rank(model_and_samples):
     ensure_single_process()
     ref = _run(path, samples)
     assert sorted(r["cp_rank"] for r in ranks) == [0, 1] and all(r["dp"] == 1 for r in ranks)
+    assert all(r["cp_comm_type"] == "all_gather" for r in ranks)  # --allgather-cp, for TE's attention on GPU
     assert ref["cp_attention"] == 0 and all(r["cp_attention"] > 0 for r in ranks)  # one per layer under CP
     for out in ranks:
         for a, b in zip(ref["logprobs"], out["logprobs"]):

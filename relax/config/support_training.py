@@ -49,6 +49,10 @@ TRAINING_FEATURES: frozenset[str] = ARCH_FEATURES | GPU_ONLY_FEATURES | frozense
     # context parallelism of dense models (relax.backends.megatron.context_parallel; tests/test_megatron_context_parallel.py:
     # CP 2 against one rank)
     "context_parallel_size",
+    # the key/value exchange of Transformer Engine's CP attention on GPU (cp_comm_type all_gather instead of p2p;
+    # tests/test_megatron_context_parallel.py checks the trainer's TransformerConfig); the CPU attention always
+    # all-gathers
+    "allgather_cp",
     # the MoE router's dtype and token dispatcher (tests/test_megatron_moe_flags.py)
     "moe_router_dtype", "moe_token_dispatcher_type",
     # the optimizer Megatron builds (tests/test_megatron_optimizer_choice.py)

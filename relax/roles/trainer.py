@@ -37,7 +37,7 @@ def trainer_settings(config: Any, *, forward_only: bool = False):
         logprob_max_tokens_per_micro_batch=config.log_probs_max_tokens_per_gpu if dynamic else None,
         tp=config.tensor_model_parallel_size, pp=config.pipeline_model_parallel_size,
         sequence_parallel=bool(config.sequence_parallel),
-        cp=config.context_parallel_size, ep=config.expert_model_parallel_size,
+        cp=config.context_parallel_size, allgather_cp=bool(config.allgather_cp), ep=config.expert_model_parallel_size,
         etp=config.expert_tensor_parallel_size, lr=config.lr, min_lr=config.min_lr or 0.0,
         lr_decay_style=config.lr_decay_style, lr_warmup_iters=config.lr_warmup_iters or 0,
         lr_decay_iters=config.lr_decay_iters, weight_decay=config.weight_decay,

@@ -27,7 +27,9 @@ def add_flags(parser):
     g.add_argument("--log-probs-chunk-size", type=int, default=-1,
                    help="Compute log-probs in chunks of this many tokens (-1: no chunking).")
     g.add_argument("--allgather-cp", action="store_true", default=False,
-                   help="All-gather context-parallel shards before attention.")
+                   help="With --context-parallel-size > 1 on GPU: Transformer Engine's attention all-gathers the "
+                        "keys and values of the sequence (cp_comm_type all_gather) instead of passing them around "
+                        "a ring (p2p). Relax's CPU attention always all-gathers.")
     g.add_argument("--model-name", type=str, default=None,
                    help="Model family for weight conversion (default: read from --hf-checkpoint's config).")
     g.add_argument("--only-load-weight", action="store_true", default=False,
