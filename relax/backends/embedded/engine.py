@@ -24,7 +24,9 @@ mixes weights, and all tensors of one update request are applied together (valid
 bad request changes nothing). By default an update does not wait for running requests, which
 continue on the new weights (like SGLang after `pause_generation(mode="in_place")`); with
 `update_waits_for_requests=True` it waits until no request is running and holds back new ones
-(like SGLang's default), so that each response is produced by one weight version.
+(like SGLang's default), so that each response is produced by one weight version. The one-copy
+shared-memory format (`relax_shm_bind`, `shared_weights.py`) points parameters at views of the sender's
+segment instead of copying, in the same kind of command.
 
 `release_memory()` / `resume_memory()` on CPU: there is no device memory to hand back. Release
 aborts running and waiting requests (dropping their KV caches) and refuses generation until
