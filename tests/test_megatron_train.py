@@ -92,6 +92,19 @@ def test_train_step_updates_weights_and_schedules_lr(model_dir):
     assert trainer.iteration == 3
 
 
+def test_warm_up_starts_at_lr_warmup_init(model_dir, tmp_path):
+    from relax.config import parse_config
+    from relax.roles.trainer import trainer_settings
+
+    config = parse_config(["--output-dir", str(tmp_path), "--lr", "1e-3", "--lr-warmup-iters", "2",
+                           "--lr-warmup-init", "2e-4"])
+    assert trainer_settings(config).lr_warmup_init == 2e-4
+    trainer = _trainer(model_dir, lr_warmup_iters=2, lr_warmup_init=2e-4)
+    samples = toy_samples(2, seed=2)
+    assert trainer.train_step(samples, toy_pg_loss)["lr"] == pytest.approx(6e-4)  # 2e-4 + (1e-3 - 2e-4) / 2
+    assert trainer.train_step(samples, toy_pg_loss)["lr"] == pytest.approx(1e-3)
+
+
 def test_entropy_reaches_loss_fn(model_dir):
     trainer = _trainer(model_dir)
     samples = toy_samples(2, seed=3)

@@ -248,7 +248,7 @@ NOT_BUILT: dict[str, tuple[str, frozenset[str]]] = {
         "the update and are not passed yet",
         frozenset({
             "lr_wsd_decay_style", "lr_decay_samples", "lr_wsd_decay_iters", "lr_wsd_decay_samples",
-            "lr_warmup_fraction", "lr_warmup_samples", "lr_warmup_init", "override_opt_param_scheduler",
+            "lr_warmup_fraction", "lr_warmup_samples", "override_opt_param_scheduler",
             "use_checkpoint_opt_param_scheduler", "start_weight_decay", "end_weight_decay", "weight_decay_incr_style",
             "warmup", "decoupled_lr", "decoupled_min_lr", "apply_wd_to_qk_layernorm", "no_weight_decay_cond_type",
             "muon_momentum", "muon_split_qkv", "muon_use_nesterov", "muon_scale_mode", "muon_fp32_matmul_prec",

@@ -53,6 +53,8 @@ TRAINING_FEATURES: frozenset[str] = ARCH_FEATURES | GPU_ONLY_FEATURES | frozense
     # tests/test_megatron_context_parallel.py checks the trainer's TransformerConfig); the CPU attention always
     # all-gathers
     "allgather_cp",
+    # the warm-up's starting lr (Megatron's OptParamScheduler init_lr; tests/test_megatron_train.py)
+    "lr_warmup_init",
     # the MoE router's dtype and token dispatcher (tests/test_megatron_moe_flags.py)
     "moe_router_dtype", "moe_token_dispatcher_type",
     # the optimizer Megatron builds (tests/test_megatron_optimizer_choice.py)

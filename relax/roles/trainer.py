@@ -40,6 +40,7 @@ def trainer_settings(config: Any, *, forward_only: bool = False):
         cp=config.context_parallel_size, allgather_cp=bool(config.allgather_cp), ep=config.expert_model_parallel_size,
         etp=config.expert_tensor_parallel_size, lr=config.lr, min_lr=config.min_lr or 0.0,
         lr_decay_style=config.lr_decay_style, lr_warmup_iters=config.lr_warmup_iters or 0,
+        lr_warmup_init=config.lr_warmup_init,
         lr_decay_iters=config.lr_decay_iters, weight_decay=config.weight_decay,
         adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, adam_eps=config.adam_eps,
         optimizer=config.optimizer, sgd_momentum=config.sgd_momentum,
