@@ -42,6 +42,8 @@ MEGATRON_HELP: dict[str, str] = {
     "expert_model_parallel_size": "Split each MoE layer's experts over this many trainer ranks (Megatron's expert "
                                   "parallelism); it must divide the expert count and the trainer ranks per "
                                   "pipeline stage. Weight pushes gather the full experts for the engines.",
+    "lr_warmup_init": "The learning rate the warm-up starts from: over --lr-warmup-iters optimizer steps it rises "
+                      "linearly to --lr (Megatron's scheduler; Relax's first update already takes one step of it).",
     "expert_tensor_parallel_size": "Split each expert's matrices over this many ranks (Megatron's expert tensor "
                                    "parallelism). Relax builds 1 (whole experts) or the --tensor-model-parallel-size "
                                    "(split like the dense layers); Relax's default is 1, Megatron's unset value means "
