@@ -1,0 +1,339 @@
+"""Fully-async training (--fully-async, --max-staleness S): the rollout runs ahead of training, bounded.
+
+The same stages as the synchronous loop (relax.core.stages, one implementation for both modes), run in two
+threads of the driver instead of one after the other:
+
+* the rollout thread calls the rollout manager's `generate(N)` for N = first step, N+1, ... one step at a time
+  (the manager's data source and sample counter advance in step order), and starts step N only while
+  N minus the oldest unconsumed step is at most S (`StalenessWindow`; S = 0 is strict alternation, which is
+  the synchronous schedule);
+* the training thread (the caller's) takes the oldest generated step, runs its stages (reference / teacher
+  log-probs, critic values, old log-probs, advantages, updates), clears its partition, pushes the weights
+  and only then marks the step consumed, which opens the window for the next rollout step.
+
+Weight push while generation is in flight: every engine of the push is paused first
+(`/pause_generation` mode "in_place": running requests freeze at a decode-step boundary and keep their
+state), the weights are pushed (possibly several update requests) and generation continues
+(`/continue_generation`), so that no decode step runs on a half-updated model. A response that spans a push
+reports the engine's version at its end (SGLang's `meta_info.weight_version`), which is what
+`Sample.weight_version` holds.
+
+Metrics of each step, besides the synchronous ones:
+* `async/staleness_mean`, `async/staleness_max`: the trainer's policy version when it trains step N (N: the
+  trainer has made N updates; the push after step N carries version N+1) minus each sample's
+  `weight_version`. At most S with --update-weights-interval 1 (a longer interval adds its lag).
+* `async/queue_depth`: rollout steps started (running or finished) beyond the one being trained, when its
+  training starts (0..S).
+* `async/index_min`, `async/index_max`, `async/num_indexes`: the sample indexes the step trains (the run's
+  accounting: consecutive steps tile the indexes, none twice).
+* `async/rollout_start`, `async/rollout_end`, `async/train_start`, `async/train_end`: wall-clock times.
+
+Checkpoints (--save): a checkpoint after step N holds the trainer after N+1 updates and the rollout position
+as it was when step N's generation ended (kept by the rollout thread before it starts step N+1). Steps
+generated beyond N when the checkpoint was taken are discarded on resume and deliberately generated again
+from the same prompts: no sample is trained twice and none is lost.
+
+Shutdown, SIGINT or an error in any stage: the training thread raises (the stage named by the controller's
+bounded calls; a rollout failure as "rollout generate, step N"), the window stops, and the rollout thread
+stops waiting for its running call (the controller's shutdown kills the actors; the call's ref is in
+`Controller._in_flight_async`, so the shutdown does not queue behind it).
+
+Colocation (--colocate) is refused with --fully-async by config validation: engines and trainer ranks that
+share devices cannot run at the same time.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+from typing import Any, Callable
+
+import ray
+
+from relax.backends.engine_client import EngineClient
+from relax.core.calls import POLL_S, run_bounded
+from relax.core.checkpointing import save_checkpoint
+from relax.core.deadlines import FLAGS, Call, RoleFailure
+from relax.observability import timeline
+from relax.observability.accounting import step_problems
+
+logger = logging.getLogger("relax")
+
+
+class StalenessWindow:
+    """Which rollout step may start, which step trains next (thread-safe; no Ray, so tests drive it directly).
+
+    Steps `start` .. `stop - 1`. A step is *started* by the rollout, *finished* when its samples are stored, and
+    *consumed* when its training and weight push are done. Step N may start only while
+    N - (oldest unconsumed step) <= max_staleness."""
+
+    def __init__(self, start: int, stop: int, max_staleness: int):
+        if max_staleness < 0:
+            raise ValueError("max_staleness must be >= 0")
+        self.start, self.stop, self.max_staleness = start, stop, max_staleness
+        self._cond = threading.Condition()
+        self._oldest = start  # the oldest unconsumed step
+        self._next = start  # the next step the rollout starts
+        self._finished: dict[int, Any] = {}
+        self._error: BaseException | None = None
+        self._stopping = False
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    @property
+    def oldest_unconsumed(self) -> int:
+        return self._oldest
+
+    def may_start(self, step: int) -> bool:
+        return step - self._oldest <= self.max_staleness
+
+    def wait_to_start(self, step: int) -> bool:
+        """Block until `step` may start (True) or the window stops (False)."""
+        with self._cond:
+            while not self._stopping and not self.may_start(step):
+                self._cond.wait(POLL_S)
+            if self._stopping:
+                return False
+            if step != self._next:
+                raise RuntimeError(f"rollout step {step} started out of order (expected {self._next})")
+            self._next = step + 1
+            return True
+
+    def finished(self, step: int, result: Any) -> None:
+        with self._cond:
+            self._finished[step] = result
+            self._cond.notify_all()
+
+    def failed(self, exc: BaseException) -> None:
+        with self._cond:
+            self._error = exc
+            self._cond.notify_all()
+
+    def wait_finished(self, step: int) -> Any:
+        """The result of step `step`'s rollout; raises the rollout's error. Waits in short slices, so that a
+        signal interrupts it at once."""
+        with self._cond:
+            while step not in self._finished:
+                if self._error is not None:
+                    raise self._error
+                if self._stopping:
+                    raise RuntimeError("the async loop stopped")
+                self._cond.wait(POLL_S)
+            return self._finished.pop(step)
+
+    def queue_depth(self) -> int:
+        """Rollout steps started beyond the oldest unconsumed one."""
+        with self._cond:
+            return max(0, self._next - self._oldest - 1)
+
+    def consumed(self, step: int) -> None:
+        with self._cond:
+            if step != self._oldest:
+                raise RuntimeError(f"step {step} consumed out of order (oldest unconsumed {self._oldest})")
+            self._oldest = step + 1
+            self._cond.notify_all()
+
+    def stop_all(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+
+class _Stopped(Exception):
+    """The window stopped while the rollout thread waited for its call."""
+
+
+def run_window(window: StalenessWindow, generate: Callable[[int], Any], train: Callable[[int, Any], None],
+               *, join_s: float = 5.0) -> None:
+    """Drive the window: a rollout thread calls `generate(step)` in step order within the bound, the caller's
+    thread calls `train(step, result)` for each step in order and then marks it consumed. An error of either
+    side stops both and is raised here (`generate` should poll `window.stopping` while it waits)."""
+
+    def feed() -> None:
+        try:
+            for step in range(window.start, window.stop):
+                if not window.wait_to_start(step):
+                    return
+                window.finished(step, generate(step))
+        except _Stopped:
+            return
+        except BaseException as exc:  # handed to the training thread, which raises it
+            window.failed(exc)
+
+    thread = threading.Thread(target=feed, name="relax-async-rollout", daemon=True)
+    thread.start()
+    try:
+        for step in range(window.start, window.stop):
+            result = window.wait_finished(step)
+            train(step, result)
+            window.consumed(step)
+    finally:
+        window.stop_all()
+        thread.join(join_s)  # a rollout call that does not stop is left to the shutdown (actors killed)
+
+
+class _RolloutPosition:
+    """The rollout role as a checkpoint reads it (`state_dict.remote()`): its position kept for one step."""
+
+    def __init__(self) -> None:
+        self.state: Any = None
+        self.state_dict = self  # save_checkpoint calls `rollout.state_dict.remote()`
+
+    def remote(self) -> Any:
+        return ray.put(self.state)
+
+
+class _CheckpointView:
+    """What `save_checkpoint` reads of the controller, with the rollout position of the saved step. One view
+    per loop: an --async-save in flight is keyed by it, and the next save waits for it."""
+
+    def __init__(self, controller: Any):
+        self.config, self.workers, self.aux = controller.config, controller.workers, controller.aux
+        self.rollout = _RolloutPosition()
+
+
+class AsyncLoop:
+    """The controller's fully-async loop (see the module docstring). Uses the controller's roles, stages,
+    data plane and bounded calls; changes nothing in the synchronous loop."""
+
+    def __init__(self, controller: Any):
+        self.ctl = controller
+        self.c = controller.config
+        self.window = StalenessWindow(controller.start_step, self.c.num_rollout, int(self.c.max_staleness))
+        self._ckpt = _CheckpointView(controller)
+
+    # ------------------------------------------------------------------ the rollout thread
+    def generate(self, step: int) -> dict[str, Any]:
+        ctl = self.ctl
+        start = time.time()
+        ref = ctl.rollout.generate.remote(step)
+        ctl._in_flight_async = [(ctl.rollout, ref)]
+        call = Call("rollout", "generate", step=step)
+        try:
+            while not ray.wait([ref], timeout=POLL_S)[0]:
+                if self.window.stopping:
+                    raise _Stopped()
+            try:
+                metrics = ray.get(ref)
+                # the position after this step, before the next one starts: what a checkpoint after it holds
+                state = ray.get(ctl.rollout.state_dict.remote()) if self.c.save else None
+            except Exception as exc:
+                failure = RoleFailure(call, exc)
+                if "GenerationError" in str(failure):
+                    failure.add_detail(ctl._silent_engines())
+                raise failure from exc
+        finally:
+            ctl._in_flight_async = []
+        end = time.time()
+        timeline.record("rollout", start, end, step=step, cat="rollout")
+        return {"metrics": metrics, "state": state, "start": start, "end": end}
+
+    # ------------------------------------------------------------------ the training thread
+    def train(self, step: int, rollout: dict[str, Any]) -> None:
+        ctl, c = self.ctl, self.c
+        t0 = time.perf_counter()
+        train_start = time.time()
+        metrics = dict(rollout["metrics"])
+        metrics["async/queue_depth"] = float(self.window.queue_depth())
+        metrics["data/step_samples"] = float(ctl._data_call("count the step's samples", step, ctl.data.size))
+        metrics.update(ctl._data_call("read the step's weight versions", step, self._version_metrics))
+        will_sync = (step + 1) % c.update_weights_interval == 0 and not (c.debug_rollout_only or c.debug_train_only)
+        if not c.debug_rollout_only:
+            for stage in train_stages(ctl.stages):
+                with timeline.span(stage.__name__, step=step, cat="train"):
+                    metrics.update(stage(step))
+        t1 = time.perf_counter()
+        ctl._data_call("clear the step", step, ctl.data.clear)
+        sync_time = 0.0
+        if will_sync:
+            with timeline.span("weight_push", step=step, cat="weights"):
+                sync = self.push_weights(step)
+            sync_time = time.perf_counter() - t1
+            metrics.update({"perf/weight_sync_bytes": float(sync["bytes"]),
+                            "perf/weight_sync_bytes_per_s": sync["bytes_per_s"], "weights/version": float(step + 1)})
+        train_end = time.time()
+        t2 = time.perf_counter()
+        if c.save and ((c.save_interval and (step + 1) % c.save_interval == 0) or step + 1 == c.num_rollout):
+            self._ckpt.rollout.state = rollout["state"]
+            with timeline.span("save", step=step, cat="checkpoint"):
+                run_bounded(lambda: save_checkpoint(self._ckpt, step + 1), Call("checkpoint", "save", step=step),
+                            deadline_s=ctl.deadlines.train_s, flag=FLAGS["train"])
+        step_time = train_end - rollout["start"]
+        metrics.update({
+            "perf/rollout_time": rollout["end"] - rollout["start"], "perf/train_time": t1 - t0,
+            "perf/weight_sync_time": sync_time, "perf/save_time": time.perf_counter() - t2,
+            "perf/step_time": step_time,
+            "perf/tokens_per_s": metrics.get("train/tokens", 0.0) / step_time,
+            "perf/samples_per_s": metrics.get("rollout/num_samples", 0.0) / step_time,
+            "async/rollout_start": rollout["start"], "async/rollout_end": rollout["end"],
+            "async/train_start": train_start, "async/train_end": train_end,
+        })
+        if ctl._eval_enabled() and (step + 1) % c.eval_interval == 0:
+            with timeline.span("evaluation", step=step, cat="rollout"):
+                metrics.update(ctl._rollout_call("evaluate", "evaluation", step + 1, step + 1))
+        ctl.accounting.add(metrics)
+        for problem in step_problems(metrics, trained_expected=not c.debug_rollout_only):
+            logger.warning("step %d: sample accounting: %s", step, problem)
+        ctl.metrics.log(step, metrics)
+        timeline.record(f"train step {step}", train_start, train_end, step=step, cat="step")
+
+    def _version_metrics(self, step: int) -> dict[str, float]:
+        """Staleness of the step's samples against the trainer's version (`step` updates made) and the
+        indexes it trains."""
+        samples = self.ctl.data.get(step, fields=("weight_version",))
+        if not samples:
+            return {}
+        lags = [step - int(s.weight_version) for s in samples]
+        indexes = [int(s.index) for s in samples]
+        return {"async/staleness_mean": statistics.fmean(lags), "async/staleness_max": float(max(lags)),
+                "async/index_min": float(min(indexes)), "async/index_max": float(max(indexes)),
+                "async/num_indexes": float(len(set(indexes)))}
+
+    def push_weights(self, step: int) -> dict[str, Any]:
+        """Pause every engine of the push in place, push version step+1, continue them (also on failure)."""
+        ctl, c = self.ctl, self.c
+        ctl.engine_urls = ctl._rollout_call("push_targets", "engines for the weight push", step)
+        clients = [EngineClient(url, timeout_s=ctl.deadlines.control_s) for url in ctl.engine_urls]
+        paused: list[EngineClient] = []
+        try:
+            for client in clients:
+                run_bounded(lambda: client.pause("in_place"),
+                            Call("rollout", f"pause generation on {client.base_url}", step=step),
+                            deadline_s=ctl.deadlines.control_s, flag=FLAGS["control"])
+                paused.append(client)
+            reports = ctl._trainers("push_weights", "weight push", step, ctl.engine_urls, step + 1,
+                                    c.update_weight_buffer_size)
+            ctl._rollout_call("weights_pushed", "weight version", step, step + 1, ctl.engine_urls)
+        finally:
+            for client in paused:
+                try:
+                    run_bounded(client.resume, Call("rollout", f"continue generation on {client.base_url}",
+                                                    step=step),
+                                deadline_s=ctl.deadlines.control_s, flag=FLAGS["control"])
+                finally:
+                    client.close()
+            for client in clients:
+                if client not in paused:
+                    client.close()
+        return reports[0]
+
+    # ------------------------------------------------------------------ the whole loop
+    def run(self) -> None:
+        ctl, c = self.ctl, self.c
+        if ctl._eval_enabled() and not c.skip_eval_before_train:
+            before = ctl._rollout_call("evaluate", "evaluation", ctl.start_step, ctl.start_step)
+            ctl.metrics.log(ctl.start_step, {**before, "eval/before_train": 1.0})
+        logger.info("fully-async: rollout up to %d step(s) ahead of training", c.max_staleness)
+        run_window(self.window, self.generate, self.train)
+        if ctl.accounting.steps:
+            logger.info("%s (%s)", ctl.accounting.summary_line(), ctl.accounting.write(c.output_dir))
+
+
+def train_stages(stages: Any) -> tuple[Callable[[int], dict[str, float]], ...]:
+    """The stages after the rollout, in the synchronous loop's order (relax.core.controller._loop)."""
+    return (stages.reference_logprobs, stages.teacher_logprobs, stages.critic_values, stages.actor_forward,
+            stages.advantages, stages.actor_update, stages.reference_refresh, stages.critic_update)
