@@ -41,7 +41,9 @@ def add_flags(parser):
 
     g = parser.add_argument_group("Weight update")
     g.add_argument("--update-weight-buffer-size", type=byte_size, default=512 * 1024**2,
-                   help="Bytes per chunk when sending weights to engines (accepts 512MB).")
+                   help="Bytes per chunk when sending weights to engines (accepts 512MB). The tensor method's "
+                        "one-copy path to embedded engines does not chunk (it maps the whole model); the chunked "
+                        "two-copy fallback, the pickled and the distributed paths do.")
     g.add_argument("--update-weights-interval", type=int, default=1, help="Send weights to engines every N rollout steps.")
     g.add_argument("--weight-sync-method", type=str, default="tensor", choices=["tensor", "disk", "distributed"],
                    help="How trainer weights reach the engines: shared-memory tensors (same host), a safetensors "
