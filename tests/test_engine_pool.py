@@ -106,7 +106,8 @@ def test_added_engine_gets_current_weights_before_it_joins(ray_session, tiny_mod
     assert_ray_released()
 
 
-@pytest.mark.parametrize("fault", ["kill", "hang"])
+# SIGSTOP here (a hung engine must be killed, not left stopped); a killed one: tests/test_engine_fault_tolerance.py
+@pytest.mark.parametrize("fault", ["hang"])
 def test_failed_engine_leaves_the_router_and_is_replaced(ray_session, tiny_model, tmp_path, fault):
     router = Router()
     pool = make_pool(tiny_model, tmp_path, router)

@@ -116,21 +116,22 @@ def failover_window_s(config: Any) -> float:
             + float(config.rollout_health_check_timeout)) + 30.0)
 
 
-def pool_metrics(events: list[dict[str, Any]]) -> dict[str, float]:
-    """Step metrics of the pool's events since the last step: failures, replacements, additions, and per
-    failure the detection latency (from an injected fault, when a test injected one) and recovery time."""
-    failed = [e for e in events if e["kind"] == "engine_failed"]
-    replaced = [e for e in events if e["kind"] == "engine_replaced"]
-    metrics = {"engines/failed": float(len(failed)), "engines/replaced": float(len(replaced)),
-               "engines/added": float(sum(e["kind"] == "engine_added" for e in events)),
-               "engines/removed": float(sum(e["kind"] == "engine_removed" for e in events))}
-    injected = {e["url"]: e["time"] for e in events if e["kind"] == "fault_injected"}
-    for f in failed:
-        if f["url"] in injected:
-            metrics["engines/detect_s"] = f["time"] - injected[f["url"]]
-        done = [r for r in replaced if r["old_url"] == f["url"]]
-        if done:
-            metrics["engines/recover_s"] = done[0]["time"] - f["time"]
+def pool_metrics(new: list[dict[str, Any]], history: list[dict[str, Any]]) -> dict[str, float]:
+    """Step metrics of the pool's events since the last step (`new`; `history`: all of them): failures,
+    replacements, additions, removals; the detection latency of a failure found this step (from its injected
+    fault, when a test injected one) and the recovery time of a replacement finished this step (from the
+    failure it replaced)."""
+    metrics = {"engines/failed": float(sum(e["kind"] == "engine_failed" for e in new)),
+               "engines/replaced": float(sum(e["kind"] == "engine_replaced" for e in new)),
+               "engines/added": float(sum(e["kind"] == "engine_added" for e in new)),
+               "engines/removed": float(sum(e["kind"] == "engine_removed" for e in new))}
+    injected = {e["url"]: e["time"] for e in history if e["kind"] == "fault_injected"}
+    failed_at = {e["url"]: e["time"] for e in history if e["kind"] == "engine_failed"}
+    for e in new:
+        if e["kind"] == "engine_failed" and e["url"] in injected:
+            metrics["engines/detect_s"] = e["time"] - injected[e["url"]]
+        if e["kind"] == "engine_replaced" and e["old_url"] in failed_at:
+            metrics["engines/recover_s"] = e["time"] - failed_at[e["old_url"]]
     return metrics
 
 
@@ -350,9 +351,9 @@ class RolloutManager:
         if self.log_fn is not None:
             metrics.update(self.log_fn(c, step, samples, dict(metrics)) or {})
         if self.pool is not None:
-            events = self.pool.events[self._events_seen:]
-            self._events_seen += len(events)
-            metrics.update(pool_metrics(events))
+            history = list(self.pool.events)
+            metrics.update(pool_metrics(history[self._events_seen:], history))
+            self._events_seen = len(history)
             metrics["engines/active"] = float(len(self.pool.urls()))
         metrics["perf/rollout_total_time"] = time.perf_counter() - t0
         return metrics

@@ -116,7 +116,10 @@ class EnginePool:
         record = {"kind": kind, "time": time.time(), **fields}
         with self.lock:
             self.events.append(record)
-        logger.info("engine pool: %s", " ".join(f"{k}={v}" for k, v in record.items()))
+        # failures and replacements are what an operator looks for in the rollout manager's log
+        level = logging.WARNING if kind in ("engine_failed", "engine_replaced", "engine_replace_failed",
+                                            "fault_injected") else logging.INFO
+        logger.log(level, "engine pool: %s", " ".join(f"{k}={v}" for k, v in record.items()))
         return record
 
     def _client(self, url: str, timeout_s: Optional[float] = None) -> EngineClient:
