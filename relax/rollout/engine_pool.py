@@ -18,7 +18,10 @@ engines serve --hf-checkpoint and a new one matches them as it starts.
 server is killed (SIGKILL, also when it hangs): the router's connections to it break, so the requests it
 held fail now and the rollout sends them again (`relax.rollout.generate.post_generate`'s failover window),
 to the other engines. Then it is restarted on the same actor (its devices) and joins as above. Probes pause
-while colocation has the engines' memory released (they would answer 503 by design).
+while colocation has the engines' memory released (they would answer 503 by design) and during a weight push
+(an engine taking weights may answer late); before a push, `push_targets` checks /health of each engine
+itself, so a push never goes to an engine that died since the last probe. An engine that dies during a push
+still fails the push (and the run), naming it.
 
 Every change is an event (`events`), with wall-clock times: injected faults, failures found (and why),
 replacements, additions, removals; the rollout manager reports them as step metrics.
@@ -92,6 +95,9 @@ class EnginePool:
         self.weight_version: Optional[str] = None  # what the last push gave every engine; None: --hf-checkpoint
         self.weight_source: Any = None  # trainer rank 0 (push_kept_weights)
         self.released: set[str] = set()  # memory tags colocation has released on every engine
+        # a weight push is under way (from push_targets to set_weight_version): an engine busy taking weights
+        # may answer a probe late, which must not count as a failure
+        self.pushing = False
         self.events: list[dict[str, Any]] = []
         # what to do with an engine found dead outside the probes (before a push); set by the health monitor
         self.on_failure: Optional[Callable[[Engine, str], None]] = None
@@ -202,8 +208,10 @@ class EnginePool:
                     self.event("engine_synced", engine=e.id, url=e.url, weight_version=served,
                                pushed=pushed is not None)
                     return
-            raise RuntimeError(f"engine {e.url} serves weight version {served!r} after {SYNC_ATTEMPTS} pushes; the "
-                               f"pool's version is {wanted!r}")
+            why = ("" if self.weight_source is not None and pushed is not None else
+                   " (nothing to push it: trainer rank 0 keeps the pushed weights with --use-fault-tolerance)")
+            raise RuntimeError(f"engine {e.url} serves weight version {served!r} after {SYNC_ATTEMPTS} attempts; the "
+                               f"pool's version is {wanted!r}{why}")
         finally:
             client.close()
 
@@ -216,6 +224,7 @@ class EnginePool:
     def set_weight_version(self, version: Any, urls: list[str]) -> None:
         """After a push of `version` to `urls` (each verified by the push itself)."""
         with self.lock:
+            self.pushing = False
             self.weight_version = str(version)
             for e in self.engines.values():
                 if e.url in urls:
@@ -228,14 +237,15 @@ class EnginePool:
         push never waits on one that died since the last probe."""
         with self.lock:
             candidates = [e for e in self.engines.values() if e.state in (ACTIVE, SYNCING) and e.url]
-        if not candidates:
-            return []
+            self.pushing = True
+        if not candidates or self.on_failure is None:  # without fault tolerance a dead engine fails the push
+            return [e.url for e in candidates]
         with ThreadPoolExecutor(max_workers=len(candidates)) as pool:
             alive = list(pool.map(lambda e: self._healthy(e.url, min(5.0, self.control_timeout_s)), candidates))
         for e, ok in zip(candidates, alive):
             if not ok and self.on_failure is not None:
                 self.on_failure(e, "no answer to /health before a weight push")
-        return [e.url for e, ok in zip(candidates, alive) if ok or self.on_failure is None]
+        return [e.url for e, ok in zip(candidates, alive) if ok]
 
     def _healthy(self, url: str, timeout_s: float) -> bool:
         client = self._client(url, timeout_s)
@@ -420,7 +430,7 @@ class HealthMonitor:
 
     def probe_once(self) -> list[str]:
         """One round: every active engine at once. Returns the URLs that failed."""
-        if self.pool.released:  # colocation: engines answer 503 while their memory is released
+        if self.pool.released or self.pool.pushing:  # released memory answers 503; a push may delay answers
             return []
         with self.pool.lock:
             engines = [e for e in self.pool.engines.values() if e.state == ACTIVE and e.url]
@@ -438,7 +448,7 @@ class HealthMonitor:
             answers = list(executor.map(probe, engines))
         failed = []
         for e, ok in zip(engines, answers):
-            if not ok and not self.pool.released:
+            if not ok and not self.pool.released and not self.pool.pushing:
                 failed.append(e.url)
                 self.handle(e, f"/health_generate did not answer 200 within {self.timeout_s:g} s "
                                "(--rollout-health-check-timeout)")
