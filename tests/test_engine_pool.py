@@ -146,3 +146,39 @@ def test_failed_engine_leaves_the_router_and_is_replaced(ray_session, tiny_model
             monitor.stop()
         pool.shutdown()
     assert_ray_released()
+
+
+def test_push_targets_leave_out_a_dead_engine_and_probes_pause_during_a_push():
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Healthy(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Healthy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    live, dead = f"http://127.0.0.1:{server.server_address[1]}", "http://127.0.0.1:9"
+    try:
+        pool = EnginePool(Router.__new__(Router), control_timeout_s=2)
+        for url in (live, dead):
+            pool._new_record().url = url
+        for e in pool.engines.values():
+            e.state = ACTIVE
+        assert pool.push_targets() == [live, dead]  # without fault tolerance a dead engine fails the push itself
+        pool.set_weight_version(1, [live, dead])
+
+        monitor = HealthMonitor(pool, interval_s=1, timeout_s=2)
+        found = []
+        pool.on_failure = monitor.handle = lambda e, reason: found.append((e.url, reason))
+        assert pool.push_targets() == [live] and found == [(dead, "no answer to /health before a weight push")]
+        assert pool.pushing and monitor.probe_once() == []  # no probe while the push is under way
+        pool.set_weight_version(2, [live])
+        assert not pool.pushing and monitor.probe_once() == [dead]
+        assert pool.by_url(live).weight_version == "2" and pool.weight_version == "2"
+    finally:
+        server.shutdown()

@@ -95,9 +95,10 @@ class EnginePool:
         self.weight_version: Optional[str] = None  # what the last push gave every engine; None: --hf-checkpoint
         self.weight_source: Any = None  # trainer rank 0 (push_kept_weights)
         self.released: set[str] = set()  # memory tags colocation has released on every engine
-        # a weight push is under way (from push_targets to set_weight_version): an engine busy taking weights
-        # may answer a probe late, which must not count as a failure
-        self.pushing = False
+        # when the weight push under way began (push_targets; set_weight_version ends it): an engine busy taking
+        # weights may answer a probe late, which must not count as a failure (for at most sync_timeout_s, in
+        # case the pusher never reports back)
+        self.push_started: Optional[float] = None
         self.events: list[dict[str, Any]] = []
         # what to do with an engine found dead outside the probes (before a push); set by the health monitor
         self.on_failure: Optional[Callable[[Engine, str], None]] = None
@@ -224,7 +225,7 @@ class EnginePool:
     def set_weight_version(self, version: Any, urls: list[str]) -> None:
         """After a push of `version` to `urls` (each verified by the push itself)."""
         with self.lock:
-            self.pushing = False
+            self.push_started = None
             self.weight_version = str(version)
             for e in self.engines.values():
                 if e.url in urls:
@@ -237,7 +238,7 @@ class EnginePool:
         push never waits on one that died since the last probe."""
         with self.lock:
             candidates = [e for e in self.engines.values() if e.state in (ACTIVE, SYNCING) and e.url]
-            self.pushing = True
+            self.push_started = time.monotonic()
         if not candidates or self.on_failure is None:  # without fault tolerance a dead engine fails the push
             return [e.url for e in candidates]
         with ThreadPoolExecutor(max_workers=len(candidates)) as pool:
@@ -246,6 +247,11 @@ class EnginePool:
             if not ok and self.on_failure is not None:
                 self.on_failure(e, "no answer to /health before a weight push")
         return [e.url for e, ok in zip(candidates, alive) if ok]
+
+    @property
+    def pushing(self) -> bool:
+        started = self.push_started
+        return started is not None and time.monotonic() - started < self.sync_timeout_s
 
     def _healthy(self, url: str, timeout_s: float) -> bool:
         client = self._client(url, timeout_s)
