@@ -4,7 +4,8 @@ One step is a list of stages (relax.core.stages), each reading its inputs from t
 partition and writing its per-sample results back: rollout (engines behind the router) -> reference /
 teacher log-probs, critic values, the actor's old log-probs -> advantages -> actor update (+ reference
 refresh, critic update) -> partition cleared -> weights pushed to every engine (versioned, verified) ->
-metrics -> checkpoint every --save-interval. `_loop` lists them in order.
+metrics -> checkpoint every --save-interval. `_loop` lists them in order. With --fully-async, `run` hands the
+same stages to relax.core.async_loop (rollout ahead of training by at most --max-staleness steps).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from relax.config.config import Config
 from relax.config.env import TIMELINE_ENV, threads_per_process, worker_env
 from relax.config.errors import ConfigError
 from relax.config.explain import write_resolved_config
+from relax.core.async_loop import AsyncLoop
 from relax.core.calls import descendants, run_bounded, run_quietly, stop_processes, wait_all, wait_quietly
 from relax.core.deadlines import FLAGS, Call, Deadlines, RoleFailure, console_line
 from relax.core.checkpointing import resume_from, save_checkpoint
@@ -69,6 +71,8 @@ class Controller:
         self.accounting = RunAccounting()  # where every sample went, step by step and for the whole run
         self.worker_where: list[str | None] = []  # "host pid N" of each trainer rank, for error lines
         self._in_flight: list[tuple[Any, Any]] = []  # (actor, ref) of calls not known to be finished
+        # --fully-async: the rollout call that runs beside the training calls (relax.core.async_loop)
+        self._in_flight_async: list[tuple[Any, Any]] = []
         # Processes this one had started before the run (e.g. a test's servers): the shutdown leaves them alone.
         self._earlier_children = {p.pid for p in descendants()}
 
@@ -147,7 +151,10 @@ class Controller:
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
         self._colocate("start", None, self.colocate.start)  # --offload-train: room for the first rollout
-        self._loop()
+        if self.config.fully_async:  # the same stages, rollout ahead of training by --max-staleness steps
+            AsyncLoop(self).run()
+        else:
+            self._loop()
         # everything resident again for the final checks; after a failure the shutdown kills it all anyway
         self._colocate("finish", None, self.colocate.finish)
 
@@ -359,7 +366,7 @@ class Controller:
     def _busy_actors(self) -> set[int]:
         """Actors (by id of their handle) with a call of the loop that has not finished."""
         busy = set()
-        for actor, ref in self._in_flight:
+        for actor, ref in self._in_flight + self._in_flight_async:
             try:
                 done, _ = ray.wait([ref], timeout=0)
             except Exception:
