@@ -2,4 +2,9 @@
 test, naming both in a comment beside it."""
 
 ASYNC_FEATURES: frozenset[str] = frozenset({
+    # The bounded-staleness loop: rollout up to --max-staleness steps ahead of training, over the same stages,
+    # weights pushed with the engines paused in place; checkpoints hold the saved step's rollout position.
+    # relax/core/async_loop.py; tests/test_async_window.py (the schedule, random delays) and
+    # tests/test_fully_async_e2e.py (S=0 equals sync, S=1 overlap/staleness/each index once, resume).
+    "fully_async", "max_staleness",
 })

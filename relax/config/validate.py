@@ -9,6 +9,7 @@ else in Relax computes a derived value: roles read the stored one.
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 from pathlib import Path
 from typing import Any, Callable
@@ -21,6 +22,8 @@ from relax.data.prompt_files import PromptDataError, count_prompt_records
 from relax.data.replay_record import recorded_run
 
 RESOURCE_ROLES = ("actor", "rollout", "critic", "reference", "actor_fwd", "advantages", "genrm", "teacher")
+
+logger = logging.getLogger("relax")
 
 # Dotted-path hooks that must import when set.
 HOOK_FLAGS = (
@@ -191,8 +194,11 @@ def check_batching(v: dict, explicit) -> None:
         raise ConfigError("--qkv-format bshd does not support --use-dynamic-batch-size; use --qkv-format thd "
                           "or a fixed --micro-batch-size")
     if v["balance_data"] and v["fully_async"]:
-        raise ConfigError("--balance-data is not supported with --fully-async; drop one of them")
-    if v["balance_data"] and not v["colocate"]:
+        # Public fully-async launch scripts set both. The async loop trains each step with the same train
+        # stage (relax.core.async_loop), which balances that step across data-parallel ranks: say so.
+        logger.warning("--balance-data with --fully-async: no effect on the rollout or the staleness window; "
+                       "the trainer balances each trained step across its data-parallel ranks as in sync mode")
+    elif v["balance_data"] and not v["colocate"]:
         raise ConfigError("--balance-data works only in colocated mode; add --colocate or drop --balance-data")
     rbs, over = v["rollout_batch_size"], v["over_sampling_batch_size"]
     if over is not None and rbs is not None and over < rbs:
@@ -213,6 +219,9 @@ def check_checkpointing(v: dict, explicit) -> None:
 def check_modes(v: dict, explicit) -> None:
     if v["debug_rollout_only"] and (v["debug_train_only"] or v["load_debug_rollout_data"]):
         raise ConfigError("--debug-rollout-only cannot be combined with --debug-train-only/--load-debug-rollout-data")
+    if v["colocate"] and v["fully_async"]:
+        raise ConfigError("--colocate cannot be combined with --fully-async: colocated engines and trainer ranks "
+                          "share devices and take turns, so rollout cannot run beside training; drop one of them")
     if v["colocate"]:
         check_colocate(v)
     if v["rollout_external"] and not v["rollout_external_engine_addrs"]:

@@ -28,7 +28,9 @@ def add_flags(parser):
     g.add_argument("--num-data-storage-units", type=int, default=1,
                    help="How many TransferQueue storage-unit actors hold samples between rollout and training.")
     g.add_argument("--max-staleness", type=int, default=0,
-                   help="How many steps rollout may run ahead of training (0 = strictly on-policy).")
+                   help="With --fully-async: how many steps rollout may run ahead of training; step N+1 starts "
+                        "only while N+1 minus the oldest untrained step is at most this (0 = strict alternation, "
+                        "the synchronous schedule).")
     g.add_argument("--polling-mode", type=str2bool, nargs="?", const=True, default=True,
                    help="Consumers poll TransferQueue for ready samples instead of blocking (true/false).")
     g.add_argument("--num-iters-per-train-update", type=int, default=1,
@@ -51,7 +53,11 @@ def add_flags(parser):
                         "with the step, sample and token otherwise; needs --keep-old-actor when "
                         "--update-weights-interval > 1.")
     g.add_argument("--fully-async", action="store_true", default=False,
-                   help="Run rollout, log-prob, advantage and training roles as a streaming asynchronous pipeline.")
+                   help="Run rollout beside training: the rollout generates the next steps (at most "
+                        "--max-staleness ahead) while the trainer runs the oldest generated step's stages; weights "
+                        "are pushed with generation paused in place. Not with --colocate. The stages of one step "
+                        "still run one after the other in the trainer's roles (no per-stage roles or streaming "
+                        "chunks yet).")
     g.add_argument("--rollout-backend", type=str, default="auto", choices=["auto", "sglang", "embedded"],
                    help="Inference engine behind the SGLang HTTP API: real SGLang servers, the embedded "
                         "transformers engine, or auto.")
