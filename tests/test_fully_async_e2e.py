@@ -3,15 +3,18 @@
 * --max-staleness 0 is the synchronous schedule: the same learning metrics, exactly, as the sync loop;
 * --max-staleness 1: every sample index is trained exactly once, staleness never exceeds 1, and the rollout
   of step N+1 runs while step N trains (wall-clock stamps);
+* a rollout that fails while a step trains stops the loop with the stage named and gives every resource back;
 * a checkpoint of an async run resumes with the rollout position of the saved step: the resumed run trains
   the indexes the first run had generated but not trained, none twice.
 """
 
 import pytest
-from conftest import run_steps, shared_tiny_model
+from conftest import assert_ray_released, run_steps, shared_tiny_model
 
 from relax.backends.megatron.checkpoint_layout import iter_dir, read_run_state, write_marker
 from relax.config import parse_config
+from relax.core.deadlines import RoleFailure
+from relax.engine.rollout.sglang_rollout import generate_rollout
 from relax.models.tasks import generate_task_dataset
 
 pytestmark = pytest.mark.e2e  # whole runs: Ray, trainer, engines
@@ -84,3 +87,20 @@ def test_resume_regenerates_in_flight_steps(tmp_path):
     assert _check_indexes(resumed, first_index=2 * 8) == 4 * 8
     # the same prompts as the interrupted run's steps 2 and 3 (rewards are random: compare the prompt groups)
     assert [r["rollout/num_groups"] for r in resumed] == [r["rollout/num_groups"] for r in first[2:]]
+
+
+def rollout_failing_at_step_2(ctx, step):
+    """--rollout-function-path of the failure test: step 2's rollout (running beside step 1's training) fails."""
+    if step == 2:
+        raise RuntimeError("rollout broke at step 2")
+    return generate_rollout(ctx, step)
+
+
+def test_rollout_failure_stops_the_loop_with_the_stage_named(tmp_path):
+    config = _config(tmp_path, "fail", "--num-rollout", "4", "--fully-async", "--max-staleness", "1",
+                     "--rollout-function-path", "test_fully_async_e2e.rollout_failing_at_step_2")
+    with pytest.raises(RoleFailure, match="rollout, step 2, generate: RuntimeError: rollout broke at step 2") as info:
+        run_steps(config)
+    assert_ray_released()
+    records = [line for line in (tmp_path / "fail" / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) <= 2, info.value  # steps 0 and 1 at most: nothing trained after the failure
