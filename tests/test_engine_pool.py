@@ -182,3 +182,35 @@ def test_push_targets_leave_out_a_dead_engine_and_probes_pause_during_a_push():
         assert pool.by_url(live).weight_version == "2" and pool.weight_version == "2"
     finally:
         server.shutdown()
+
+
+def test_a_replacement_under_way_at_shutdown_leaves_no_server(ray_session, tiny_model, tmp_path):
+    import psutil
+
+    seed = 918273  # marks this test's servers' command lines
+
+    def servers():
+        return [p for p in psutil.process_iter(["cmdline"])
+                if "relax.backends.embedded.server" in " ".join(p.info["cmdline"] or [])
+                and str(seed) in (p.info["cmdline"] or [])]
+
+    def make_actor(engine_id, placement):
+        return EngineActor.options(num_cpus=0).remote("embedded", tiny_model, {**SERVER_ARGS, "random_seed": seed},
+                                                      1, str(tmp_path), engine_id)
+
+    pool = EnginePool(Router(), make_actor=make_actor, control_timeout_s=30, start_timeout_s=180)
+    monitor = HealthMonitor(pool, interval_s=60, timeout_s=2.0)
+    try:
+        pool.start_initial([None])
+        (engine,) = pool.engines.values()
+        monitor.handle(engine, "test")  # taken out; its replacement starts in the background
+        time.sleep(1.0)  # the new server is starting
+    finally:
+        monitor.stop(wait_s=120)
+        pool.shutdown()
+    deadline = time.monotonic() + 15
+    while servers() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert servers() == []
+    assert [e["kind"] for e in pool.events][-1] == "engine_replace_failed"
+    assert_ray_released()

@@ -406,7 +406,8 @@ class RolloutManager:
 
     def shutdown(self) -> None:
         if self.monitor is not None:
-            self.monitor.stop()
+            # within the controller's grace for this call (relax.core.deadlines: at most 10 s)
+            self.monitor.stop(wait_s=min(8.0, float(self.config.engine_control_timeout)))
             self.monitor = None
         if self.router is not None:
             self.router.stop()

@@ -99,6 +99,7 @@ class EnginePool:
         # weights may answer a probe late, which must not count as a failure (for at most sync_timeout_s, in
         # case the pusher never reports back)
         self.push_started: Optional[float] = None
+        self.closing = False  # shutdown has begun: no engine is started any more
         self.events: list[dict[str, Any]] = []
         # what to do with an engine found dead outside the probes (before a push); set by the health monitor
         self.on_failure: Optional[Callable[[Engine, str], None]] = None
@@ -356,11 +357,16 @@ class EnginePool:
             with self.lock:
                 e.state = STARTING
             try:
+                if self.closing:
+                    raise RuntimeError("the run is shutting down")
                 try:
                     url = ray.get(e.actor.restart.remote(), timeout=self.start_timeout_s)
                 except ray.exceptions.RayActorError:
                     e.actor = self.make_actor(e.id, e.placement)
                     url = ray.get(e.actor.start.remote(), timeout=self.start_timeout_s)
+                if self.closing:  # a server that came up during the shutdown must not outlive the run
+                    ray.get(e.actor.kill_server.remote(), timeout=self.control_timeout_s)
+                    raise RuntimeError("the run is shutting down")
                 e.url = url
                 e.started_at = time.time()
                 self._join(e)
@@ -372,7 +378,9 @@ class EnginePool:
                 logger.warning("engine pool: replacing engine %d (attempt %d): %s", e.id, attempt, exc)
                 with self.lock:
                     e.state = DEAD
-        raise RuntimeError(f"engine {old} could not be replaced in {REPLACE_ATTEMPTS} attempts: {last}")
+                if self.closing:
+                    break
+        raise RuntimeError(f"engine {old} could not be replaced ({attempt} attempt(s)): {last}")
 
     # ------------------------------------------------------------------ colocation
     def release_memory(self, tags: list[str]) -> None:
@@ -392,6 +400,7 @@ class EnginePool:
 
     # ------------------------------------------------------------------ the end
     def shutdown(self) -> None:
+        self.closing = True
         with self.lock:
             engines = list(self.engines.values())
         for e in engines:
@@ -410,6 +419,7 @@ class HealthMonitor:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._replacing: set[int] = set()
+        self._threads: list[threading.Thread] = []
         self.errors: list[str] = []  # replacements that failed for good
         pool.on_failure = self.handle
 
@@ -418,10 +428,15 @@ class HealthMonitor:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 10.0) -> None:
+        """Stop probing; give a replacement under way up to `wait_s` to end (the pool is closing, so it stops
+        the server it may just have started), so that no server starts after the engines were stopped."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.timeout_s + 5)
+        self.pool.closing = True
+        deadline = time.monotonic() + wait_s
+        for thread in [self._thread, *self._threads]:
+            if thread is not None:
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _run(self) -> None:
         if self._stop.wait(self.first_wait_s):
@@ -456,7 +471,7 @@ class HealthMonitor:
         for e, ok in zip(engines, answers):
             if not ok and not self.pool.released and not self.pool.pushing:
                 failed.append(e.url)
-                self.handle(e, f"/health_generate did not answer 200 within {self.timeout_s:g} s "
+                self.handle(e, f"/health_generate failed or gave no answer within {self.timeout_s:g} s "
                                "(--rollout-health-check-timeout)")
         return failed
 
@@ -467,7 +482,9 @@ class HealthMonitor:
         if e.id in self._replacing:
             return
         self._replacing.add(e.id)
-        threading.Thread(target=self._replace, args=(e,), name=f"relax-replace-engine-{e.id}", daemon=True).start()
+        thread = threading.Thread(target=self._replace, args=(e,), name=f"relax-replace-engine-{e.id}", daemon=True)
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
 
     def _replace(self, e: Engine) -> None:
         try:
