@@ -5,9 +5,11 @@ record of which steps have finished training), and every sample id goes in and c
 import random
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
+from relax.core import async_loop
 from relax.core.async_loop import StalenessWindow, run_window
 
 STEPS = 20
@@ -102,3 +104,59 @@ def test_errors_stop_both_sides():
         run_window(window, lambda step: started.append(step) or step, train)
     time.sleep(0.3)
     assert window.stopping and max(started) <= 3  # nothing started past the bound after the stop
+
+
+class _FakeClient:
+    def __init__(self, url, timeout_s):
+        self.base_url = url
+
+    def pause(self, mode):
+        EVENTS.append(("pause", self.base_url, mode))
+
+    def resume(self):
+        EVENTS.append(("continue", self.base_url))
+
+    def close(self):
+        pass
+
+
+EVENTS: list = []
+
+
+class _FakeController:
+    """What AsyncLoop.push_weights uses of the controller."""
+
+    def __init__(self, push_fails=False):
+        self.config = SimpleNamespace(update_weight_buffer_size=1, max_staleness=1, num_rollout=3, save=None)
+        self.deadlines = SimpleNamespace(control_s=5.0, train_s=5.0)
+        self.start_step, self.workers, self.aux, self.engine_urls = 0, [], None, []
+        self.push_fails = push_fails
+
+    def _rollout_call(self, method, action, step, *args):
+        EVENTS.append((method,) + args)
+        return ["http://e0", "http://e1"] if method == "push_targets" else None
+
+    def _trainers(self, method, action, step, *args):
+        EVENTS.append((method, args[1]))
+        if self.push_fails:
+            raise RuntimeError("push failed")
+        return [{"bytes": 1, "bytes_per_s": 1.0}]
+
+
+@pytest.mark.parametrize("push_fails", [False, True])
+def test_weight_push_pauses_every_engine_in_place_and_continues(monkeypatch, push_fails):
+    """No decode step between the first and the last tensor of a push: every engine is paused in place before
+    the trainer pushes and continued after (also when the push fails)."""
+    monkeypatch.setattr(async_loop, "EngineClient", _FakeClient)
+    EVENTS.clear()
+    loop = async_loop.AsyncLoop(_FakeController(push_fails))
+    if push_fails:
+        with pytest.raises(RuntimeError, match="push failed"):
+            loop.push_weights(4)
+    else:
+        loop.push_weights(4)
+    names = [e[0] for e in EVENTS]
+    assert EVENTS[1:3] == [("pause", "http://e0", "in_place"), ("pause", "http://e1", "in_place")]
+    assert names[3] == "push_weights" and EVENTS[3][1] == 5  # version step + 1
+    assert names[-2:] == ["continue", "continue"]
+    assert ("weights_pushed" in names) != push_fails
