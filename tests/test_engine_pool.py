@@ -101,6 +101,11 @@ def test_added_engine_gets_current_weights_before_it_joins(ray_session, tiny_mod
         with pytest.raises(RuntimeError, match="serves weight version '3'"):
             pool.add(1)
         assert router.workers() == [first, added] and len(pool.list()) == 2
+
+        # scale-in: off the router first, then stopped once it holds no request
+        assert pool.drain(added, timeout_s=10)
+        assert router.workers() == [first] and [e["url"] for e in pool.list()] == [first]
+        assert not EngineClient(added, timeout_s=2).health(timeout_s=2)
     finally:
         pool.shutdown()
     assert_ray_released()
