@@ -23,7 +23,7 @@ Metrics of each step, besides the synchronous ones:
   trainer has made N updates; the push after step N carries version N+1) minus each sample's
   `weight_version`. At most S with --update-weights-interval 1 (a longer interval adds its lag).
 * `async/queue_depth`: rollout steps started (running or finished) beyond the one being trained, when its
-  training starts (0..S).
+  stages end, before its weight push (0..S).
 * `async/index_min`, `async/index_max`, `async/num_indexes`: the sample indexes the step trains (the run's
   accounting: consecutive steps tile the indexes, none twice).
 * `async/rollout_start`, `async/rollout_end`, `async/train_start`, `async/train_end`: wall-clock times.
@@ -238,7 +238,6 @@ class AsyncLoop:
         t0 = time.perf_counter()
         train_start = time.time()
         metrics = dict(rollout["metrics"])
-        metrics["async/queue_depth"] = float(self.window.queue_depth())
         metrics["data/step_samples"] = float(ctl._data_call("count the step's samples", step, ctl.data.size))
         metrics.update(ctl._data_call("read the step's weight versions", step, self._version_metrics))
         will_sync = (step + 1) % c.update_weights_interval == 0 and not (c.debug_rollout_only or c.debug_train_only)
@@ -246,6 +245,8 @@ class AsyncLoop:
             for stage in train_stages(ctl.stages):
                 with timeline.span(stage.__name__, step=step, cat="train"):
                     metrics.update(stage(step))
+        # what the rollout had started beyond this step while it trained
+        metrics["async/queue_depth"] = float(self.window.queue_depth())
         t1 = time.perf_counter()
         ctl._data_call("clear the step", step, ctl.data.clear)
         sync_time = 0.0
