@@ -16,4 +16,7 @@ OPS_FEATURES: frozenset[str] = frozenset({
     "use_pytorch_profiler", "profile_step_start", "profile_step_end", "profile_ranks", "profile_target",
     "profile_with_stack", "profile_with_memory", "profile_with_flops", "memory_snapshot_dir",
     "memory_snapshot_num_steps", "memory_recorder",
+    # relax/observability/metrics_service.py and metrics_client.py (created by relax/core/controller.py, reported to
+    # by relax/roles/trainer.py and relax/roles/rollout.py); tests/test_metrics_service.py (a run scraped as it runs)
+    "use_metrics_service",
 })

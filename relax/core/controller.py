@@ -44,6 +44,8 @@ from relax.models.embedded import build_embedded_assets
 from relax.observability.accounting import RunAccounting, step_problems
 from relax.observability import timeline
 from relax.observability.metrics import MetricsWriter
+from relax.observability.metrics_client import MetricsReporter
+from relax.observability.metrics_service import start_metrics_service, stop_metrics_service
 from relax.roles.rollout import RolloutManager
 from relax.roles.trainer import TrainerWorker
 from relax.weights.shm import sweep_stale_segments
@@ -62,6 +64,8 @@ class Controller:
         self.rollout = None
         self.placement_groups: list[Any] = []
         self.metrics = None
+        self.metrics_service = None  # the --use-metrics-service actor (relax.observability.metrics_service)
+        self.reporter = MetricsReporter.from_config(config)
         self.engine_urls: list[str] = []
         self.start_step = 0
         self.aux = None
@@ -91,6 +95,8 @@ class Controller:
                 ray.init(num_cpus=max(16, 4 * actor_world + 8), include_dashboard=False,
                          runtime_env={"env_vars": env}, log_to_driver=True)
             self.started_ray = True
+        if c.use_metrics_service:  # before the roles, so that their first reports find it
+            self.metrics_service, _ = start_metrics_service(c.output_dir)
         use_gpu = cluster_has_gpus()
         if c.colocate:  # engines and trainer ranks on the same bundles (devices), taking turns
             pg_actor = pg_rollout = create_placement_group(colocated_bundles(c, use_gpu), "relax-colocate")
@@ -226,12 +232,28 @@ class Controller:
             self.accounting.add(metrics)
             for problem in step_problems(metrics, trained_expected=not c.debug_rollout_only):
                 logger.warning("step %d: sample accounting: %s", step, problem)
-            self.metrics.log(step, metrics)
+            self.log_step(step, metrics)
             timeline.record(f"step {step}", step_start, time.time(), step=step, cat="step")
             if c.timeline_dump_dir and (step + 1 - self.start_step) % TIMELINE_MERGE_EVERY == 0:
                 timeline.merge(c.timeline_dump_dir)  # a run stopped later still leaves the steps so far
         if self.accounting.steps:
             logger.info("%s (%s)", self.accounting.summary_line(), self.accounting.write(c.output_dir))
+
+    def log_step(self, step: int, metrics: dict[str, Any]) -> None:
+        """Write the step's metrics; with --use-metrics-service they are the step's record there, merged from every
+        role's reports (the controller's own values win over a role's of the same name)."""
+        if self.reporter.enabled:
+            self.reporter.report("controller", 0, metrics, step=step)
+            record = self.reporter.step_record(step, expect=self._metrics_reporters())
+            metrics = record["metrics"] if record else metrics
+        self.metrics.log(step, metrics)
+
+    def _metrics_reporters(self) -> dict[str, int]:
+        """The roles that report each step to the metrics service, and how many ranks of each."""
+        expect = {"controller": 1, "rollout": 1, "data": 1}  # generate runs every step (a replay with train-only)
+        if not self.config.debug_rollout_only:
+            expect["trainer"] = len(self.workers)
+        return expect
 
     def _eval_enabled(self) -> bool:
         c = self.config
@@ -341,6 +363,8 @@ class Controller:
                 ray.kill(actor)
             except Exception:
                 pass
+        if self.metrics_service is not None:  # before Ray stops: the actor holds a share of a CPU
+            run_quietly(lambda: stop_metrics_service(self.metrics_service), grace, "stop the metrics service")
         if self.data is not None:
             run_quietly(self.data.shutdown, grace, "stop the data plane")
         for pg in self.placement_groups + aux_groups:

@@ -35,6 +35,7 @@ from relax.data.plane import DataPlane
 from relax.data.replay_record import run_record
 from relax.data.sample import Sample
 from relax.observability.accounting import delivery_accounting
+from relax.observability.metrics_client import MetricsReporter
 from relax.roles.engine import EngineActor, engine_bind_host
 from relax.rollout import generate as generation
 from relax.rollout.buffer import build_data_source
@@ -67,6 +68,8 @@ def engine_server_args(config: Any, backend: str) -> dict[str, Any]:
         args.setdefault("enable_memory_saver", True)
     if config.rollout_max_context_len:
         args.setdefault("context_length", config.rollout_max_context_len)
+    if config.use_metrics_service:  # SGLang serves /metrics only with --enable-metrics
+        args.setdefault("enable_metrics", True)
     return args
 
 
@@ -161,6 +164,7 @@ class RolloutManager:
         self.next_index = 0
         self._events_seen = 0  # pool events already reported in a step's metrics
         self.fault: EngineFault | None = fault_from_env()  # test-only (relax.rollout.fault_injection)
+        self.reporter = MetricsReporter.from_config(config)  # --use-metrics-service; a no-op otherwise
         if config.use_fault_tolerance:
             generation.set_failover_window(failover_window_s(config))
 
@@ -203,6 +207,8 @@ class RolloutManager:
             placements = [(placement_group, bundle_offset + i) if placement_group is not None else None
                           for i in range(count)]
             urls = self.pool.start_initial(placements)
+        for i, url in enumerate(urls):  # the metrics service scrapes each engine's /metrics in its own thread
+            self.reporter.watch_engine("engine", i, url)
         if c.use_fault_tolerance and not c.rollout_external:
             self.monitor = HealthMonitor(self.pool, interval_s=c.rollout_health_check_interval,
                                          timeout_s=c.rollout_health_check_timeout,
@@ -332,7 +338,10 @@ class RolloutManager:
             groups = _group(samples)
         if c.save_debug_rollout_data:
             save_rollout_data(c.save_debug_rollout_data, step, samples, run=run_record(c))
+        t_put = time.perf_counter()
         self._data_plane().put(step, samples)
+        self.reporter.report("data", "put", {"data/put_samples": float(len(samples)),
+                                             "data/put_time": time.perf_counter() - t_put}, step=step)
         metrics = step_metrics(samples, gen_time)
         metrics.update(group_variance_metrics(samples))  # the collapse monitor reads the zero-variance fraction
         metrics.update(extra)
@@ -356,6 +365,7 @@ class RolloutManager:
             self._events_seen = len(history)
             metrics["engines/active"] = float(len(self.pool.urls()))
         metrics["perf/rollout_total_time"] = time.perf_counter() - t0
+        self.reporter.report("rollout", 0, metrics, step=step)
         return metrics
 
     def _rollout(self, step: int) -> tuple[list[list[Any]], dict[str, float]]:

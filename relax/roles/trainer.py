@@ -15,6 +15,7 @@ from relax.backends.megatron.arch import arch_for_run
 from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
 from relax.config.support_gpu import GPU_ONLY_REASONS
 from relax.data.plane import DataPlane
+from relax.observability.metrics_client import MetricsReporter
 from relax.observability.profiling import Profiling, install_cuda_memory_check
 from relax.roles.megatron_rank import MegatronRank
 from relax.rollout.rewards.runner import check_step_rewards, reward_name
@@ -71,6 +72,7 @@ class TrainerWorker(MegatronRank):
         self._batches: dict[int, Any] = {}  # step -> StepBatch, from the forward stage to the update
         # --use-pytorch-profiler sections and --memory-snapshot-num-steps records of this rank
         self.profiling = Profiling.from_config(config, rank)
+        self.reporter = MetricsReporter.from_config(config)  # --use-metrics-service; a no-op otherwise
 
     def setup(self, master_addr: str, master_port: int, backend: str) -> dict[str, Any]:
         self.join_process_group(master_addr, master_port, backend)
@@ -134,6 +136,7 @@ class TrainerWorker(MegatronRank):
             metrics = update_stage(self.trainer, batch, self.config, **rows)
         self.profiling.stop("train_overall", step)
         self.profiling.memory_end()
+        self.reporter.report("trainer", self.rank, metrics, step=step)
         return metrics
 
     def _batch(self, step: int):
