@@ -228,3 +228,24 @@ def test_client_errors_name_url_and_endpoint(server, client):
         dead.flush_cache()
     assert "http://127.0.0.1:9/flush_cache" in str(e.value)
     assert not dead.health(timeout_s=1)
+
+
+def test_metrics_are_prometheus_text_with_sglangs_names(server):
+    from relax.backends.auth import engine_api_key
+    from relax.observability.metrics_client import scrape_engine_metrics
+
+    before = scrape_engine_metrics(server.url, engine_api_key(), timeout_s=T)
+    gen(server, input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 4, "ignore_eos": True})
+    after = scrape_engine_metrics(server.url, engine_api_key(), timeout_s=T)
+    names = {key.split("{")[0] for key in after}
+    assert {"sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:gen_throughput",
+            "sglang:generation_tokens_total", "sglang:num_requests_total"} <= names
+
+    def value(metrics, name):
+        (v,) = [v for k, v in metrics.items() if k.split("{")[0] == name]
+        return v
+
+    assert value(after, "sglang:generation_tokens_total") - value(before, "sglang:generation_tokens_total") == 4
+    assert value(after, "sglang:num_requests_total") == value(before, "sglang:num_requests_total") + 1
+    assert 0.0 <= value(after, "sglang:token_usage") <= 1.0
+    assert requests.get(server.url + "/metrics", timeout=T).status_code == 401  # the run's key, like control calls

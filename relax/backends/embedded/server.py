@@ -22,7 +22,8 @@ Endpoints (request / response schemas follow SGLang's `http_server.py` and `io_s
   Streaming (`stream: true`) is not supported (400).
 - GET /health (scheduler alive), GET /health_generate (a 1-token generation; 200 without
   generating while paused), GET /get_model_info | /model_info, GET /get_server_info |
-  /server_info, GET /get_load, GET /get_weight_version, GET /v1/models.
+  /server_info, GET /get_load, GET /get_weight_version, GET /v1/models, GET /metrics (Prometheus text with
+  SGLang's metric names, `metrics_text.py`; needs the key like control endpoints).
 - POST /flush_cache (there is no prefix cache: always succeeds), POST /abort_request
   `{"rid"}` | `{"abort_all": true}`, POST /pause_generation `{"mode": "abort"|"in_place"|"retract"}`
   (default abort), POST /continue_generation, POST /release_memory_occupation `{"tags"}`,
@@ -62,6 +63,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from relax.backends.auth import OPEN_ENDPOINTS, authorized, engine_api_key
 from relax.backends.embedded import shared_weights
 from relax.backends.embedded.engine import EmbeddedEngine, EngineError
+from relax.backends.embedded.metrics_text import EngineMetrics
 from relax.backends.embedded.sampling import SamplingParams
 from relax.weights import shm
 
@@ -305,6 +307,12 @@ def create_app(engine: EmbeddedEngine, api_key: str | None = None):
                 "num_tokens": engine.num_tokens_in_use(),
             }
         ]
+
+    metrics = EngineMetrics(engine)
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return PlainTextResponse(metrics.text(), media_type="text/plain; version=0.0.4")
 
     @app.get("/get_weight_version")
     async def get_weight_version():
