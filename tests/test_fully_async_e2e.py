@@ -4,12 +4,18 @@
 * --max-staleness 1: every sample index is trained exactly once, staleness never exceeds 1, and the rollout
   of step N+1 runs while step N trains (wall-clock stamps);
 * a rollout that fails while a step trains stops the loop with the stage named and gives every resource back;
+* SIGINT while the rollout hangs beside training stops the run promptly and leaves no process;
 * a checkpoint of an async run resumes with the rollout position of the saved step: the resumed run trains
   the indexes the first run had generated but not trained, none twice.
 """
 
+import json
+import signal
+import time
+
 import pytest
 from conftest import assert_ray_released, run_steps, shared_tiny_model
+from run_helpers import assert_nothing_left, run_processes, start_run, wait_for_file, write_hooks
 
 from relax.backends.megatron.checkpoint_layout import iter_dir, read_run_state, write_marker
 from relax.config import parse_config
@@ -104,3 +110,32 @@ def test_rollout_failure_stops_the_loop_with_the_stage_named(tmp_path):
     assert_ray_released()
     records = [line for line in (tmp_path / "fail" / "metrics.jsonl").read_text().splitlines()]
     assert len(records) <= 2, info.value  # steps 0 and 1 at most: nothing trained after the failure
+
+
+def test_sigint_while_the_rollout_hangs_beside_training_stops_promptly(tmp_path):
+    """SIGINT while step 1's rollout (running beside training) is stuck in a reward call that never returns:
+    exit 130 within seconds, step 0 trained and logged, nothing of the run left behind."""
+    env, marks = write_hooks(tmp_path)
+    out = tmp_path / "run"
+    proc = start_run(out, "--num-rollout", "50", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+                     "--num-steps-per-rollout", "1", "--custom-rm-path", "relax_test_hooks.never_from_step_one",
+                     "--fully-async", "--max-staleness", "1", env=env, ignore_sigint=True)
+    metrics = out / "metrics.jsonl"
+    try:
+        wait_for_file(marks / "reward_called", proc)
+        deadline = time.monotonic() + 300
+        while not (metrics.is_file() and '"step": 0' in metrics.read_text()):  # step 0 trained beside it
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else ""
+            time.sleep(0.2)
+        processes = run_processes(proc)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=180)
+        stopped_after = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 130 and stopped_after < 30, (code, stopped_after)
+    assert "interrupted by SIGINT; shutting down" in (out / "logs" / "relax.log").read_text()
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines() if '"step"' in x] == [0]
+    assert_nothing_left(processes)

@@ -213,21 +213,19 @@ class AsyncLoop:
         ref = ctl.rollout.generate.remote(step)
         ctl._in_flight_async = [(ctl.rollout, ref)]
         call = Call("rollout", "generate", step=step)
+        while not ray.wait([ref], timeout=POLL_S)[0]:
+            if self.window.stopping:  # the call stays in _in_flight_async: the shutdown does not wait behind it
+                raise _Stopped()
+        ctl._in_flight_async = []
         try:
-            while not ray.wait([ref], timeout=POLL_S)[0]:
-                if self.window.stopping:
-                    raise _Stopped()
-            try:
-                metrics = ray.get(ref)
-                # the position after this step, before the next one starts: what a checkpoint after it holds
-                state = ray.get(ctl.rollout.state_dict.remote()) if self.c.save else None
-            except Exception as exc:
-                failure = RoleFailure(call, exc)
-                if "GenerationError" in str(failure):
-                    failure.add_detail(ctl._silent_engines())
-                raise failure from exc
-        finally:
-            ctl._in_flight_async = []
+            metrics = ray.get(ref)
+            # the position after this step, before the next one starts: what a checkpoint after it holds
+            state = ray.get(ctl.rollout.state_dict.remote()) if self.c.save else None
+        except Exception as exc:
+            failure = RoleFailure(call, exc)
+            if "GenerationError" in str(failure):
+                failure.add_detail(ctl._silent_engines())
+            raise failure from exc
         end = time.time()
         timeline.record("rollout", start, end, step=step, cat="rollout")
         return {"metrics": metrics, "state": state, "start": start, "end": end}
