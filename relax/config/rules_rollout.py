@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from relax.backends.relax_router.middleware import MiddlewareError, load_middleware_factory, middleware_paths
+from relax.config.autoscaler import load_autoscaler_config
 from relax.config.errors import ConfigError
 from relax.config.eval_sets import eval_sets
 
@@ -137,5 +138,26 @@ def check_fault_tolerance(v: dict, explicit) -> None:
                           f"{v['rollout_health_check_first_wait']}")
 
 
-RULES: tuple = (check_debug, check_filters, check_logging, check_router, check_fault_tolerance)
+_SCALE_FLAGS = {"scale_out_timeout": "--scale-out-timeout", "scale_in_drain_timeout": "--scale-in-drain-timeout",
+                "scale_in_shutdown_timeout": "--scale-in-shutdown-timeout"}
+
+
+def check_autoscaler(v: dict, explicit) -> None:
+    """--autoscaler-config: the YAML is read and checked here, before Ray (relax.config.autoscaler), errors naming
+    the file and the key; the scaling flags must be positive."""
+    if not v.get("autoscaler_config"):
+        return
+    if v.get("rollout_external"):
+        raise ConfigError("--autoscaler-config starts and stops engines; with --rollout-external Relax did not start "
+                          "them: drop one of the two")
+    if v.get("colocate"):
+        raise ConfigError("--autoscaler-config adds engines on devices of their own; with --colocate the engines share "
+                          "the trainer's: drop one of the two")
+    load_autoscaler_config(v["autoscaler_config"])
+    for dest, name in _SCALE_FLAGS.items():
+        if not float(v[dest]) > 0:
+            raise ConfigError(f"{name} must be > 0 seconds, got {v[dest]}")
+
+
+RULES: tuple = (check_debug, check_filters, check_logging, check_router, check_fault_tolerance, check_autoscaler)
 POST_DERIVE_RULES: tuple = (check_eval, check_multimodal)

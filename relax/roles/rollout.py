@@ -29,6 +29,7 @@ from transformers import AutoTokenizer
 from relax.backends.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
 from relax.backends.relax_router.process import router_from_config
 from relax.backends.sglang.router import RouterProcess
+from relax.config.autoscaler import load_autoscaler_config
 from relax.config.env import threads_per_process
 from relax.core.placement import cluster_has_gpus, create_placement_group, engine_bundle
 from relax.data.plane import DataPlane
@@ -36,6 +37,7 @@ from relax.data.replay_record import run_record
 from relax.data.sample import Sample
 from relax.observability.accounting import delivery_accounting
 from relax.observability.metrics_client import MetricsReporter
+from relax.rollout.autoscaler import Autoscaler
 from relax.roles.engine import EngineActor, engine_bind_host
 from relax.rollout import generate as generation
 from relax.rollout.buffer import build_data_source
@@ -159,6 +161,7 @@ class RolloutManager:
         self._data = None
         self.pool: EnginePool | None = None
         self.monitor: HealthMonitor | None = None
+        self.autoscaler: Autoscaler | None = None  # --autoscaler-config (relax.rollout.autoscaler)
         self.router = None
         self.backend: str | None = None  # the engines' backend; None for external engines
         self.next_index = 0
@@ -213,6 +216,14 @@ class RolloutManager:
             self.monitor = HealthMonitor(self.pool, interval_s=c.rollout_health_check_interval,
                                          timeout_s=c.rollout_health_check_timeout,
                                          first_wait_s=c.rollout_health_check_first_wait).start()
+        if c.autoscaler_config and not c.rollout_external:  # the file was validated before Ray
+            cfg = load_autoscaler_config(c.autoscaler_config)
+            if cfg.enabled:
+                self.pool.stop_timeout_s = c.scale_in_shutdown_timeout
+                self.autoscaler = Autoscaler(
+                    cfg, self.pool, scale_out_timeout_s=c.scale_out_timeout,
+                    partial_policy=c.scale_out_partial_success_policy, drain_timeout_s=c.scale_in_drain_timeout,
+                    log_path=os.path.join(c.output_dir, "autoscaler.jsonl")).start()
         return urls
 
     def _make_engine_actor(self, engine_id: int, placement: Any) -> Any:
@@ -414,7 +425,14 @@ class RolloutManager:
                 self.source.next_group = state["next_group"]
         self.next_index = state["next_index"]
 
+    def autoscaler_status(self) -> dict[str, Any] | None:
+        """The engines, their last load sample and every autoscaler decision with its reason (None: no autoscaler)."""
+        return self.autoscaler.status() if self.autoscaler is not None else None
+
     def shutdown(self) -> None:
+        if self.autoscaler is not None:  # no scaling while the pool stops
+            self.autoscaler.stop(wait_s=min(8.0, float(self.config.engine_control_timeout)))
+            self.autoscaler = None
         if self.monitor is not None:
             # within the controller's grace for this call (relax.core.deadlines: at most 10 s)
             self.monitor.stop(wait_s=min(8.0, float(self.config.engine_control_timeout)))

@@ -186,7 +186,7 @@ class TrainerWorker(MegatronRank):
         named = self._gather_pipeline_stages(named)
         if self.rank != 0:
             return {}
-        if self.config.use_fault_tolerance:
+        if self.config.use_fault_tolerance or self.config.autoscaler_config:
             # A host copy of what the engines serve, for an engine that joins before the next push (a
             # replacement): push_kept_weights. It costs the model's size in host memory on rank 0.
             self._kept_push = (version, [(n, t.detach().to("cpu", copy=True)) for n, t in named])

@@ -87,6 +87,7 @@ class EnginePool:
         self.new_placement = new_placement
         self.remove_placement = remove_placement
         self.control_timeout_s = float(control_timeout_s)
+        self.stop_timeout_s = 30.0  # for an engine to stop by itself before it is killed (--scale-in-shutdown-timeout)
         self.start_timeout_s = float(start_timeout_s)
         self.sync_timeout_s = float(sync_timeout_s)
         self.lock = threading.RLock()
@@ -211,7 +212,8 @@ class EnginePool:
                                pushed=pushed is not None)
                     return
             why = ("" if self.weight_source is not None and pushed is not None else
-                   " (nothing to push it: trainer rank 0 keeps the pushed weights with --use-fault-tolerance)")
+                   " (nothing to push it: trainer rank 0 keeps the pushed weights with --use-fault-tolerance or "
+                   "--autoscaler-config)")
             raise RuntimeError(f"engine {e.url} serves weight version {served!r} after {SYNC_ATTEMPTS} attempts; the "
                                f"pool's version is {wanted!r}{why}")
         finally:
@@ -311,7 +313,7 @@ class EnginePool:
         if e.actor is None:
             return
         try:
-            ray.get(e.actor.shutdown.remote(), timeout=30)
+            ray.get(e.actor.shutdown.remote(), timeout=self.stop_timeout_s)
         except Exception:  # the actor may already be gone
             pass
         try:
