@@ -277,7 +277,7 @@ class AsyncLoop:
         ctl.accounting.add(metrics)
         for problem in step_problems(metrics, trained_expected=not c.debug_rollout_only):
             logger.warning("step %d: sample accounting: %s", step, problem)
-        ctl.metrics.log(step, metrics)
+        ctl.log_step(step, metrics)  # with --use-metrics-service: merged with the roles' reports of the step
         timeline.record(f"train step {step}", train_start, train_end, step=step, cat="step")
 
     def _version_metrics(self, step: int) -> dict[str, float]:
