@@ -4,12 +4,14 @@ once the derived values (eval fallbacks, the resolved --rollout-backend) are fil
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Optional
 
 from relax.backends.relax_router.middleware import MiddlewareError, load_middleware_factory, middleware_paths
 from relax.config.autoscaler import load_autoscaler_config
 from relax.config.errors import ConfigError
 from relax.config.eval_sets import eval_sets
+from relax.rollout.genrm.config import engine_config, sampling_config
 
 MODALITIES = ("image", "video", "audio")
 
@@ -159,5 +161,53 @@ def check_autoscaler(v: dict, explicit) -> None:
             raise ConfigError(f"{name} must be > 0 seconds, got {v[dest]}")
 
 
-RULES: tuple = (check_debug, check_filters, check_logging, check_router, check_fault_tolerance, check_autoscaler)
-POST_DERIVE_RULES: tuple = (check_eval, check_multimodal)
+# GenRM flags with their defaults: another value without --genrm-model-path has no effect.
+_GENRM_FLAGS = {"genrm_num_gpus": ("--genrm-num-gpus", 1), "genrm_num_gpus_per_engine": ("--genrm-num-gpus-per-engine", 1),
+                "genrm_engine_config": ("--genrm-engine-config", None),
+                "genrm_sampling_config": ("--genrm-sampling-config", None),
+                "genrm_template_path": ("--genrm-template-path", None),
+                "genrm_parser_path": ("--genrm-parser-path", None)}
+
+
+def _check_hook(path: str, name: str) -> None:
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        raise ConfigError(f"{name}: {path!r} is not a dotted path like package.module.function")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ConfigError(f"{name}: cannot import module {module_name!r} ({type(exc).__name__}: {exc})") from None
+    if not callable(getattr(module, attr, None)):
+        raise ConfigError(f"{name}: module {module_name!r} has no function {attr!r}")
+
+
+def check_genrm(v: dict, explicit) -> None:
+    """--genrm-model-path and its flags (relax.rollout.genrm, relax.rollout.rewards.genrm): JSON configs and hooks
+    are checked here, before Ray (the engine options once the rollout backend is resolved)."""
+    if not v.get("genrm_model_path"):
+        for dest, (name, default) in _GENRM_FLAGS.items():
+            if dest in explicit and v.get(dest) != default:
+                raise ConfigError(f"{name} configures the GenRM: add --genrm-model-path (or drop {name})")
+        if v.get("rm_type") == "genrm":
+            raise ConfigError("--rm-type genrm judges with the generative reward model: add --genrm-model-path")
+        return
+    if v.get("group_rm") and v.get("rm_type") == "genrm" and not v.get("custom_rm_path"):
+        raise ConfigError("--group-rm with --rm-type genrm: the GenRM judges each sample on its own (no listwise "
+                          "template is built); drop --group-rm, or score groups with --custom-rm-path")
+    if v["genrm_num_gpus"] % v["genrm_num_gpus_per_engine"]:
+        raise ConfigError(f"--genrm-num-gpus ({v['genrm_num_gpus']}) must be a multiple of "
+                          f"--genrm-num-gpus-per-engine ({v['genrm_num_gpus_per_engine']})")
+    sampling_config(v.get("genrm_sampling_config"))
+    for dest, (name, _) in _GENRM_FLAGS.items():
+        if dest.endswith("_path") and v.get(dest):
+            _check_hook(v[dest], name)
+
+
+def check_genrm_engines(v: dict, explicit) -> None:
+    if v.get("genrm_model_path"):
+        engine_config(v.get("genrm_engine_config"), v["rollout_backend"])
+
+
+RULES: tuple = (check_debug, check_filters, check_logging, check_router, check_fault_tolerance, check_autoscaler,
+                check_genrm)
+POST_DERIVE_RULES: tuple = (check_eval, check_multimodal, check_genrm_engines)

@@ -33,12 +33,32 @@ def add_flags(parser):
                         "flag: without it a reward function that never returns would hang the step).")
 
     g = parser.add_argument_group("Generative reward model")
-    g.add_argument("--genrm-model-path", type=str, default=None, help="Model of the generative reward model; enables GenRM.")
-    g.add_argument("--genrm-num-gpus", type=int, default=1, help="GPUs for all GenRM engines.")
+    g.add_argument("--genrm-model-path", type=str, default=None,
+                   help="Model of the generative reward model (GenRM); enables it: engines of its own behind a "
+                        "router of their own, started by the rollout manager, never given the policy's weights. "
+                        "Samples whose reward type is genrm (--rm-type genrm, or metadata rm_type) are judged by "
+                        "it (relax.rollout.rewards.genrm).")
+    g.add_argument("--genrm-num-gpus", type=int, default=1,
+                   help="GPUs for all GenRM engines (engines: this / --genrm-num-gpus-per-engine; on CPU one "
+                        "engine per CPU bundle, as many).")
     g.add_argument("--genrm-num-gpus-per-engine", type=int, default=1, help="GPUs per GenRM engine.")
-    g.add_argument("--genrm-engine-config", type=json_object, default=None, help="GenRM engine options as a JSON object.")
+    g.add_argument("--genrm-engine-config", type=json_object, default=None,
+                   help="GenRM engine options as a JSON object, e.g. '{\"max_running_requests\": 64}': SGLang "
+                        "server options with --rollout-backend sglang; with the embedded engine its own options "
+                        "(max_running_requests, context_length, max_prefill_tokens, dtype, random_seed, "
+                        "num_threads), SGLang's sizing options (dp_size, pp_size, max_total_tokens, ...) having "
+                        "no effect. Checked before the run starts.")
     g.add_argument("--genrm-sampling-config", type=json_object, default=None,
-                   help="GenRM sampling as JSON (temperature, top_p, top_k, max_response_len).")
+                   help="GenRM sampling as JSON: temperature (default 0.1), top_p (1.0), top_k (-1), "
+                        "max_response_len (4096). Checked before the run starts.")
+    g.add_argument("--genrm-template-path", type=str, default=None,
+                   help="Dotted path of fn(prompt, response, label, metadata) -> chat messages (rendered with the "
+                        "GenRM model's chat template) or a string (the judge prompt as is); default: "
+                        "relax.rollout.rewards.genrm.default_template (Relax's own flag).")
+    g.add_argument("--genrm-parser-path", type=str, default=None,
+                   help="Dotted path of fn(judge_text) -> float, None (or raising) when the verdict has no score, "
+                        "which follows --reward-error-policy; default: relax.rollout.rewards.genrm.default_parser, "
+                        "the last \\boxed{score} or a final Yes/No line (Relax's own flag).")
 
     g = parser.add_argument_group("On-policy distillation")
     g.add_argument("--use-opd", action="store_true", default=False, help="Enable on-policy distillation (needs --opd-type).")

@@ -12,7 +12,9 @@ What is called
     reward per sample of the group;
   * otherwise the built-in ``get_reward_fn(rm_type)`` per sample as
     ``fn(response, label, metadata)``, where ``metadata["rm_type"]`` overrides
-    ``rm_type`` per sample (``group_rm`` does not change how built-ins are called).
+    ``rm_type`` per sample (``group_rm`` does not change how built-ins are called);
+  * reward type ``genrm``: the GenRM judge (``relax.rollout.rewards.genrm``): the runner's
+    ``genrm``, else the rollout manager's (``active_judge``), per sample.
 
 Rewards
   A number, or a dict from which ``reward_key`` is taken (when ``reward_key`` is
@@ -47,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from relax.rollout.rewards.custom import CustomReward, load_custom_reward
+from relax.rollout.rewards.genrm import GENRM_TYPE, active_judge
 from relax.rollout.rewards.registry import get_reward_fn, resolve_rm_type
 
 __all__ = ["RewardRunner", "RewardResult", "RewardError", "AllRewardsFailedError", "check_step_rewards",
@@ -229,8 +232,9 @@ class RewardRunner:
         self.rm_options = dict(rm_options or {})
         self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="relax-reward")
         self._fns: dict[str, Any] = {}
+        self.genrm: Any = None  # relax.rollout.rewards.genrm.GenRMJudge; None: the process's active judge
         self._totals = {"num_samples": 0, "num_errors": 0, "num_calls": 0, "num_batches": 0}
-        if self.custom is None and rm_type:
+        if self.custom is None and rm_type and rm_type != GENRM_TYPE:
             self._fn(rm_type)  # fail fast on an unknown type
 
     @classmethod
@@ -273,6 +277,12 @@ class RewardRunner:
             self._fns[rm_type] = fn
         return fn
 
+    def _judge(self) -> Any:
+        judge = self.genrm if self.genrm is not None else active_judge()
+        if judge is None:
+            raise RuntimeError("reward type genrm needs the GenRM engines: set --genrm-model-path")
+        return judge
+
     async def _call_builtin(self, fn: Any, response: str, label: Any, metadata: dict) -> Any:
         acall = getattr(fn, "acall", None)
         if acall is not None and asyncio.iscoroutinefunction(acall):
@@ -314,9 +324,12 @@ class RewardRunner:
                 else:
                     metadata = _metadata(sample)
                     rm_name = resolve_rm_type(self.rm_type, metadata)  # a reward server's errors name its URL
-                    fn = self._fn(rm_name)
-                    raw = await self._deadline(self._call_builtin(fn, _response(sample), _field(sample, "label"),
-                                                                  metadata))
+                    if rm_name == GENRM_TYPE:
+                        raw = await self._deadline(self._judge().ajudge(sample))
+                    else:
+                        fn = self._fn(rm_name)
+                        raw = await self._deadline(self._call_builtin(fn, _response(sample), _field(sample, "label"),
+                                                                      metadata))
             return [reward_to_float(raw, self.reward_key)], [raw], []
         except asyncio.CancelledError:
             raise
