@@ -13,6 +13,7 @@ from relax.config import parse_config
 from relax.config.errors import ConfigError
 from relax.data.sample import Sample
 from relax.rollout.genrm.config import DEFAULT_SAMPLING, engine_config, sampling_config
+from relax.rollout.genrm.service import genrm_num_engines
 from relax.rollout.rewards import RewardError, RewardRunner
 from relax.rollout.rewards.genrm import (GenRMJudge, GenRMParseError, default_parser, default_template,
                                          load_genrm_hook)
@@ -192,6 +193,12 @@ def test_sampling_and_engine_config_checks():
 def test_genrm_flags_are_checked_before_ray(tiny_model, extra, words):
     with pytest.raises(ConfigError, match=words):
         parse_config(["--hf-checkpoint", tiny_model, "--dry-run", *extra])
+
+
+def test_genrm_engine_count(tiny_model):
+    cfg = parse_config(["--hf-checkpoint", tiny_model, "--dry-run", "--genrm-model-path", tiny_model,
+                        "--genrm-num-gpus", "4", "--genrm-num-gpus-per-engine", "2"])
+    assert genrm_num_engines(cfg) == 2
 
 
 def test_genrm_flags_parse(tiny_model):

@@ -9,7 +9,9 @@ and leave at run time (`add_engines`, `remove_engine`, `drain_engine`).
 Step metrics: `step_metrics` always; `--log-passrate`, `--log-multi-turn`, `--log-correct-samples`
 (which also writes OUTPUT_DIR/correct_samples/step_N.jsonl) and `--log-reward-category` add theirs
 (`relax.rollout.step_logs`). With `--rollout-external` the engines are not started or stopped here:
-the given addresses join the router, and shutdown stops only the router.
+the given addresses join the router, and shutdown stops only the router. With --genrm-model-path the manager
+also starts the GenRM's own engines and router (`relax.rollout.genrm.service`; never weight push targets) and
+hands its judge to the rewards (reward type genrm); the step metrics add genrm/*.
 """
 
 from __future__ import annotations
@@ -45,9 +47,11 @@ from relax.rollout.context import RolloutContext, RolloutOutput, load_hook
 from relax.rollout.debug_data import load_rollout_data, save_rollout_data
 from relax.rollout.engine_pool import EnginePool, HealthMonitor
 from relax.rollout.evaluation import eval_sets, evaluate, passrate_metrics
+from relax.rollout.genrm.service import GenRMService
 from relax.rollout.fault_injection import EngineFault, arm, fault_from_env
 from relax.rollout.prompts import PromptEncoder
 from relax.rollout.rewards import RewardRunner
+from relax.rollout.rewards.genrm import set_active_judge
 from relax.rollout.step_logs import group_variance_metrics, step_log_metrics
 
 logger = logging.getLogger(__name__)
@@ -163,6 +167,7 @@ class RolloutManager:
         self.monitor: HealthMonitor | None = None
         self.autoscaler: Autoscaler | None = None  # --autoscaler-config (relax.rollout.autoscaler)
         self.router = None
+        self.genrm: GenRMService | None = None  # --genrm-model-path: the judge's own engines and router
         self.backend: str | None = None  # the engines' backend; None for external engines
         self.next_index = 0
         self._events_seen = 0  # pool events already reported in a step's metrics
@@ -224,6 +229,11 @@ class RolloutManager:
                     cfg, self.pool, scale_out_timeout_s=c.scale_out_timeout,
                     partial_policy=c.scale_out_partial_success_policy, drain_timeout_s=c.scale_in_drain_timeout,
                     log_path=os.path.join(c.output_dir, "autoscaler.jsonl")).start()
+        if c.genrm_model_path:  # never a push target: push_targets reads self.pool alone
+            self.genrm = GenRMService(c, engine_server_args)
+            self.genrm.start()
+            self.rewards.genrm = self.genrm.judge
+            set_active_judge(self.genrm.judge)  # evaluation sets' reward runners judge with it too
         return urls
 
     def _make_engine_actor(self, engine_id: int, placement: Any) -> Any:
@@ -303,6 +313,12 @@ class RolloutManager:
     def router_url(self) -> str:
         return self.router.url
 
+    def genrm_engine_urls(self) -> list[str]:
+        return self.genrm.urls() if self.genrm is not None else []
+
+    def genrm_router_url(self) -> str | None:
+        return self.genrm.router.url if self.genrm is not None and self.genrm.router is not None else None
+
     # ------------------------------------------------------------------ one step
     def _context(self, progress: Any = None) -> Any:
         urls = self.get_engine_urls()
@@ -356,6 +372,8 @@ class RolloutManager:
         metrics = step_metrics(samples, gen_time)
         metrics.update(group_variance_metrics(samples))  # the collapse monitor reads the zero-variance fraction
         metrics.update(extra)
+        if self.genrm is not None and self.genrm.judge is not None:  # genrm/latency_mean, genrm/parse_failures
+            metrics.update(self.genrm.judge.take_metrics())
         metrics.update(delivery_accounting(kept=from_rollout, to_train=len(samples)))
         if c.load_debug_rollout_data:
             metrics["samples/replayed"] = float(from_rollout)
@@ -442,3 +460,7 @@ class RolloutManager:
             self.router = None
         if self.pool is not None:
             self.pool.shutdown()
+        if self.genrm is not None:
+            set_active_judge(None)
+            self.genrm.shutdown()
+            self.genrm = None
