@@ -159,6 +159,15 @@ def test_unparseable_verdicts_follow_the_reward_error_policy(tiny_model, policy)
     assert judge.take_metrics()["genrm/judgments"] == 0  # per step: taken once
 
 
+def test_default_template_needs_a_chat_template():
+    class PlainTokenizer:
+        chat_template = None
+
+    with pytest.raises(ValueError, match="no chat template.*--genrm-template-path"):
+        GenRMJudge("http://unused", PlainTokenizer())
+    GenRMJudge("http://unused", PlainTokenizer(), template=judge_template)  # a string template needs none
+
+
 def test_genrm_type_without_engines_is_a_reward_failure():
     runner = RewardRunner("genrm", on_error="zero")
     result = runner.score(_samples(1))

@@ -150,6 +150,10 @@ class GenRMJudge:
         self.config = sampling_config(sampling)
         self.sampling = request_sampling(self.config)
         self.template = template or default_template
+        if self.template is default_template and not getattr(tokenizer, "chat_template", None):
+            # found at start-up, not as one reward failure per sample
+            raise ValueError("the GenRM model's tokenizer has no chat template, which the default judge template "
+                             "needs: give --genrm-template-path a function that returns the judge prompt as a string")
         self.parser = parser or default_parser
         self.timeout_s = float(timeout_s)
         self.retries = int(retries)
