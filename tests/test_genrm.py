@@ -122,6 +122,21 @@ def test_custom_template_and_parser_by_dotted_path(tiny_model):
         load_genrm_hook("test_genrm.nothing_here", "--genrm-parser-path", default_parser)
 
 
+def test_metadata_rm_type_genrm_is_judged_beside_other_rewards(tiny_model):
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    fake = FakeJudge(["Verdict: Yes"])
+
+    async def run(url):
+        runner = RewardRunner("exact_match")
+        runner.genrm = GenRMJudge(url, tok)
+        samples = _samples(2)
+        samples[0].metadata["rm_type"] = "genrm"  # judged; the other one by exact match ("r1" != "1")
+        return await runner.ascore(samples, assign=True)
+
+    result = asyncio.run(fake.serve(run))
+    assert result.rewards == [1.0, 0.0] and len(fake.requests) == 1
+
+
 def test_default_template_goes_through_the_genrm_chat_template(tiny_model):
     tok = AutoTokenizer.from_pretrained(tiny_model)
     judge = GenRMJudge("http://unused", tok)
