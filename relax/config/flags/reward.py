@@ -39,8 +39,8 @@ def add_flags(parser):
                         "Samples whose reward type is genrm (--rm-type genrm, or metadata rm_type) are judged by "
                         "it (relax.rollout.rewards.genrm).")
     g.add_argument("--genrm-num-gpus", type=int, default=1,
-                   help="GPUs for all GenRM engines (engines: this / --genrm-num-gpus-per-engine; on CPU one "
-                        "engine per CPU bundle, as many).")
+                   help="GPUs for all GenRM engines; engines = this / --genrm-num-gpus-per-engine (on CPU as "
+                        "many embedded engines, one CPU each).")
     g.add_argument("--genrm-num-gpus-per-engine", type=int, default=1, help="GPUs per GenRM engine.")
     g.add_argument("--genrm-engine-config", type=json_object, default=None,
                    help="GenRM engine options as a JSON object, e.g. '{\"max_running_requests\": 64}': SGLang "
