@@ -53,8 +53,9 @@ def args_of(path: Path) -> dict[str, str]:
 
 def setup_requirements() -> dict[str, Requirement]:
     text = (ROOT / "setup.py").read_text()
-    block = text[text.index("install_requires=["):text.index("]", text.index("install_requires=["))]
-    reqs = [Requirement(r) for r in re.findall(r'"([^"]+)"', block)]
+    start = text.index("install_requires=[")
+    block = text[start:text.index("\n    ],", start)]  # the list's own closing line: extras like ray[default] hold "]"
+    reqs = [Requirement(r) for r in re.findall(r'^\s*"([^"]+)",', block, re.M)]
     return {r.name.lower(): r for r in reqs}
 
 
