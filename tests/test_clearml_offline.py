@@ -3,6 +3,7 @@ writes is read back for the scalars of every metrics.jsonl record, the resolved 
 the artifacts; list-valued metrics are summarised; without a server or offline mode the run stops before Ray."""
 
 import json
+import os
 import sys
 import types
 import zipfile
@@ -130,13 +131,17 @@ def test_without_server_or_offline_mode_the_run_stops_before_ray(tmp_path, monke
 
 
 @pytest.mark.e2e
-def test_a_short_run_reports_to_clearml_and_notifies(tmp_path, tiny_model, prompt_file):
+def test_a_short_run_reports_to_clearml_and_notifies(tmp_path, tiny_model, prompt_file, monkeypatch):
     """relax-train with --use-clearml (offline) and --notify-urls on the tiny model, 2 steps: the session holds
     every scalar of metrics.jsonl, the config and the artifacts; the endpoint got started and finished; the
     URL's secret is in nothing the run wrote."""
     hook = LocalHook()
     cache = tmp_path / "clearml-cache"
     out = tmp_path / "run"
+    # A ClearML task made earlier in this process (the unit tests above) leaves CLEARML_* variables that make a
+    # child's Task.init join that task instead of starting its own: the run must start from a clean environment.
+    for name in [n for n in os.environ if n.startswith(("CLEARML_", "TRAINS_"))]:
+        monkeypatch.delenv(name)
     try:
         proc = relax_cli(
             "--hf-checkpoint", tiny_model, "--prompt-data", prompt_file, "--input-key", "input",

@@ -100,11 +100,19 @@ def test_grpo_two_engines_two_dp_ranks(assets, monkeypatch):
 def _check_timeline(path, records) -> None:
     """--timeline-dump-dir: a Chrome trace whose step spans hold every stage of the step, the stages covering
     the step's wall time but for the controller's own bookkeeping."""
-    spans = check_chrome_trace(json.loads(path.read_text()))
+    doc = json.loads(path.read_text())
+    spans = check_chrome_trace(doc)
+    tracks = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"}
+    roles = {name.split(" (")[0] for name in tracks.values()}
+    # the roles' own tracks: both trainer ranks, the rollout manager, both engines
+    assert {"controller", "trainer rank 0", "trainer rank 1", "rollout manager"} <= roles, roles
+    assert sum(name.startswith("engine ") for name in roles) == 2, roles
     for r in records:
         step = r["step"]
         (outer,) = [s for s in spans if s["name"] == f"step {step}"]
-        inner = [s for s in spans if s["args"].get("step") == step and s is not outer]
+        inner = [s for s in spans if s["args"].get("step") == step and s is not outer and s["pid"] == outer["pid"]]
+        updates = [s for s in spans if s["name"] == "actor update" and s["args"].get("step") == step]
+        assert len(updates) == 2 and all(outer["ts"] <= s["ts"] <= outer["ts"] + outer["dur"] for s in updates)
         names = {s["name"] for s in inner}
         assert {"rollout", "actor_forward", "advantages", "actor_update", "weight_push"} <= names, names
         for s in inner:

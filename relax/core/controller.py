@@ -58,6 +58,7 @@ trace_log = logging.getLogger("relax.trace")  # tracebacks: the run's log file o
 class Controller:
     def __init__(self, config: Config):
         self.config = config
+        timeline.set_role("controller")  # this process's track in --timeline-dump-dir's trace
         self.started_ray = False
         self.data = None
         self.workers: list[Any] = []
@@ -123,7 +124,7 @@ class Controller:
                             teacher=launched_aux.get("teacher"))
         # The rollout side (manager, engines, router) is independent of the trainer until the first weight
         # push. Colocated roles share devices, so there the engines start after the trainer has taken its memory.
-        self.rollout = RolloutManager.options(num_cpus=1, runtime_env={"env_vars": engine_key}).remote(c)
+        self.rollout = RolloutManager.options(num_cpus=1, runtime_env={"env_vars": {**worker_env(), **engine_key}}).remote(c)
         engines_ref = None
         if not c.debug_train_only and not c.colocate:
             engines_ref = self.rollout.start_engines.remote(pg_rollout, weight_source=self.workers[0])
@@ -439,7 +440,6 @@ def run_controller(config: Config) -> int:
     write_resolved_config(config)
     if config.timeline_dump_dir:  # before Ray: every role inherits it (relax.config.env.worker_env)
         os.environ[TIMELINE_ENV] = str(Path(config.timeline_dump_dir).resolve())
-        timeline.set_role("controller")
     if config.dump_details:
         write_resolved_config(config, Path(config.dump_details) / "config.yaml")
     if config.meta.get("embedded_default"):

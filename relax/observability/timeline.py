@@ -14,6 +14,7 @@ agree.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -21,7 +22,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from relax.config.env import TIMELINE_ENV
 TRACE_NAME = "timeline.json"
@@ -79,6 +80,20 @@ def span(name: str, *, step: int | None = None, cat: str = "stage", **args: Any)
         raise
     finally:
         record(name, start, time.time(), step=step, cat=cat, **args)
+
+
+def traced(name: str, cat: str = "stage") -> Callable:
+    """Decorate a role method whose first argument is the step: each call is a span of this process."""
+
+    def wrap(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def call(self: Any, step: Any, *args: Any, **kwargs: Any) -> Any:
+            with span(name, step=step if isinstance(step, int) else None, cat=cat):
+                return method(self, step, *args, **kwargs)
+
+        return call
+
+    return wrap
 
 
 def read_spans(directory: str | Path) -> list[dict[str, Any]]:

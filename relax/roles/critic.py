@@ -25,6 +25,7 @@ from transformers import AutoConfig
 from relax.backends.megatron.arch import ModelArch
 from relax.backends.megatron.trainer import MegatronTrainer
 from relax.data.plane import DataPlane
+from relax.observability import timeline
 from relax.roles.megatron_rank import MegatronRank
 from relax.roles.trainer import trainer_settings
 from relax.training.step import train_critic
@@ -60,6 +61,7 @@ class CriticWorker(MegatronRank):
         return {"rank": self.rank, "dp": self.trainer.layout.dp, "source": source,
                 "params": sum(p.numel() for p in self.trainer.gpt_model.parameters())}
 
+    @timeline.traced("critic values", cat="train")
     def compute(self, step: int) -> dict[str, Any]:
         """Stage: the values of this data-parallel rank's share (samples[dp_rank::dp]) of step `step`, written to
         the data plane as `values`."""
@@ -73,6 +75,7 @@ class CriticWorker(MegatronRank):
         self.data.put_fields(step, [s.index for s in mine], values=values)
         return {"samples": len(mine), "seconds": time.perf_counter() - t0}
 
+    @timeline.traced("critic update", cat="train")
     def train(self, step: int) -> dict[str, float]:
         """Stage: the critic's update from the step's `values` and GAE `returns` (written by the advantage stage)."""
         samples = self.data.get(step, fields=("index", "prompt_tokens", "response_tokens", "loss_mask", "values",

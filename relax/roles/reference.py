@@ -27,6 +27,7 @@ from relax.backends.megatron.arch import ModelArch, arch_for_run
 from relax.backends.megatron.checkpoint_layout import read_meta, resolve_model_checkpoint
 from relax.backends.megatron.trainer import MegatronTrainer
 from relax.data.plane import DataPlane
+from relax.observability import timeline
 from relax.roles.megatron_rank import MegatronRank
 from relax.roles.trainer import trainer_settings
 
@@ -72,6 +73,7 @@ class ReferenceWorker(MegatronRank):
         self.data = DataPlane.attach()
         return {"rank": self.rank, "dp": self.trainer.layout.dp, "source": source}
 
+    @timeline.traced("log-probs", cat="train")
     def compute(self, step: int) -> dict[str, Any]:
         """Stage: the log-probs of this data-parallel rank's share (samples[dp_rank::dp]) of step `step`, written
         to the data plane as `ref_logprobs` (`teacher_logprobs` for the teacher)."""

@@ -38,6 +38,7 @@ from relax.data.plane import DataPlane
 from relax.data.replay_record import run_record
 from relax.data.sample import Sample
 from relax.observability.accounting import delivery_accounting
+from relax.observability import timeline
 from relax.observability.metrics_client import MetricsReporter
 from relax.rollout.autoscaler import Autoscaler
 from relax.roles.engine import EngineActor, engine_bind_host
@@ -173,6 +174,7 @@ class RolloutManager:
         self._events_seen = 0  # pool events already reported in a step's metrics
         self.fault: EngineFault | None = fault_from_env()  # test-only (relax.rollout.fault_injection)
         self.reporter = MetricsReporter.from_config(config)  # --use-metrics-service; a no-op otherwise
+        timeline.set_role("rollout manager")
         if config.use_fault_tolerance:
             generation.set_failover_window(failover_window_s(config))
 
@@ -330,6 +332,7 @@ class RolloutManager:
                               # answers under deterministic sampling); the embedded engine gives copy j seed + j.
                               group_requests=self.backend == "embedded")
 
+    @timeline.traced("generate and reward", cat="rollout")
     def generate(self, step: int) -> dict[str, float]:
         """Produce step `step`'s samples (or replay saved ones) and write them into the data plane."""
         c = self.config

@@ -15,6 +15,7 @@ from relax.backends.megatron.arch import arch_for_run
 from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
 from relax.config.support_gpu import GPU_ONLY_REASONS
 from relax.data.plane import DataPlane
+from relax.observability import timeline
 from relax.observability.metrics_client import MetricsReporter
 from relax.observability.profiling import Profiling, install_cuda_memory_check
 from relax.roles.megatron_rank import MegatronRank
@@ -95,6 +96,7 @@ class TrainerWorker(MegatronRank):
     # Each reads its inputs from the step's partition and writes its per-sample outputs back as stage fields
     # (relax.data.sample.STAGE_FIELDS); relax.core.stages calls them in order. What stays on this rank from the
     # forward stage to the update is the step's `StepBatch` (relax.training.step).
+    @timeline.traced("actor forward", cat="train")
     def forward(self, step: int) -> dict[str, float]:
         """Actor forward (every rank: the pass is collective): the old-policy log-probs of step `step`, written
         as `old_logprobs` (by rank 0; every rank computed all of them) when the loss needs them. A step whose
@@ -112,6 +114,7 @@ class TrainerWorker(MegatronRank):
         self._batches = {step: batch}  # a step's batch replaces the last one: one step in flight per rank
         return {"perf/old_logprob_time": time.perf_counter() - t0}
 
+    @timeline.traced("actor advantages", cat="train")
     def advantages(self, step: int) -> dict[str, float]:
         """Advantages (rank 0 alone): from the rewards and the stage fields written so far (old, reference and
         teacher log-probs, critic values), written as `advantages` (and `returns` with ppo)."""
@@ -125,6 +128,7 @@ class TrainerWorker(MegatronRank):
         self.data.put_fields(step, [s.index for s in batch.samples], **out)
         return {"perf/advantages_time": time.perf_counter() - t0}
 
+    @timeline.traced("actor update", cat="train")
     def train(self, step: int) -> dict[str, float]:
         """The actor's update (every rank) from the step's advantages, old and reference log-probs."""
         batch = self._batches.pop(step, None) or self._batch(step)
@@ -176,6 +180,7 @@ class TrainerWorker(MegatronRank):
                   for t, n in zip(tokens, response_lengths)]
         return [lp.tolist() for lp in self.trainer.compute_logprobs(inputs, temperature)]
 
+    @timeline.traced("weight push", cat="weights")
     def push_weights(self, engine_urls: list[str], version: int, buffer_bytes: int) -> dict[str, Any]:
         """Every rank takes part in gathering; rank 0 sends the HF-named tensors to every engine (each request
         within --weight-update-timeout; past it a `WeightSyncError` names the engine)."""

@@ -54,6 +54,7 @@ from relax.backends.embedded import shared_weights
 from relax.backends.embedded.weight_names import expert_aliases
 from relax.backends.embedded.routing import RouteCapture
 from relax.backends.embedded.sampling import SamplingParams, sample_batch, seeded_position_seed
+from relax.observability import timeline
 
 logger = logging.getLogger(__name__)
 
@@ -433,6 +434,7 @@ class EmbeddedEngine:
 
     def _run(self) -> None:
         torch.set_grad_enabled(False)
+        busy_since, finished_before = None, 0  # --timeline-dump-dir: one span per stretch of generation
         try:
             while True:
                 with self._lock:
@@ -448,7 +450,13 @@ class EmbeddedEngine:
                     if not blocked:
                         self._admit()
                     if self._batch is not None and len(self._batch):
+                        if busy_since is None:
+                            busy_since, finished_before = time.time(), self.stats["num_requests_finished"]
                         self._decode_step()
+                    if busy_since is not None and not (self._batch is not None and len(self._batch)):
+                        timeline.record("generate", busy_since, time.time(), cat="engine",
+                                        requests=self.stats["num_requests_finished"] - finished_before)
+                        busy_since = None
                 except Exception as exc:
                     # A failed forward pass (bad input the checks missed, out of memory, ...) fails
                     # the requests it touched; the engine keeps serving.

@@ -65,6 +65,7 @@ from relax.backends.embedded import shared_weights
 from relax.backends.embedded.engine import EmbeddedEngine, EngineError
 from relax.backends.embedded.metrics_text import EngineMetrics
 from relax.backends.embedded.sampling import SamplingParams
+from relax.observability import timeline
 from relax.weights import shm
 
 logger = logging.getLogger("relax.embedded.server")
@@ -619,6 +620,7 @@ def main(argv=None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     torch.set_num_threads(max(1, args.num_threads))
+    timeline.set_role(f"engine {args.host}:{args.port}")
     import uvicorn
 
     engine = EmbeddedEngine(
