@@ -14,7 +14,8 @@ from run_helpers import assert_nothing_left, run_processes, start_run, wait_for_
 pytestmark = pytest.mark.e2e  # a whole run: Ray, trainer, engines (deselect with -m 'not e2e')
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+# SIGTERM here; SIGINT (exit 130) with a hung call is tests/test_fully_async_e2e.py's, through the same handlers
+@pytest.mark.parametrize("signum", [signal.SIGTERM])
 def test_signal_during_a_hung_call_stops_the_run_promptly_and_leaves_no_process(tmp_path, signum):
     env, marks = write_hooks(tmp_path)
     out = tmp_path / "run"
