@@ -56,7 +56,7 @@ def _check_or_record(name: str, records: list[dict]) -> None:
         assert not differ, f"{name} step {step}: (recorded, now) differ: {differ}"
 
 
-@pytest.mark.parametrize("seed", [1234])  # the fixture also holds seed 7 (RELAX_RECORD_STAGES=1 records both)
+@pytest.mark.parametrize("seed", [1234])  # the fixture also keeps a record of seed 7 from the first recording
 def test_embedded_default_exact(tmp_path, seed):
     config = parse_config(["--output-dir", str(tmp_path), "--num-rollout", "2", "--seed", str(seed)])
     build_embedded_assets(config.hf_checkpoint, config.prompt_data, seed=config.seed % 1000)
