@@ -46,7 +46,7 @@ from relax.rollout import generate as generation
 from relax.rollout.buffer import build_data_source
 from relax.rollout.context import RolloutContext, RolloutOutput, load_hook
 from relax.rollout.debug_data import load_rollout_data, save_rollout_data
-from relax.rollout.engine_pool import EnginePool, HealthMonitor
+from relax.rollout.engine_pool import EnginePool, HealthMonitor, stop_engines
 from relax.rollout.evaluation import eval_sets, evaluate, passrate_metrics
 from relax.rollout.genrm.service import GenRMService
 from relax.rollout.fault_injection import EngineFault, arm, fault_from_env
@@ -454,15 +454,9 @@ class RolloutManager:
         if self.autoscaler is not None:  # no scaling while the pool stops
             self.autoscaler.stop(wait_s=min(8.0, float(self.config.engine_control_timeout)))
             self.autoscaler = None
-        if self.monitor is not None:
-            # within the controller's grace for this call (relax.core.deadlines: at most 10 s)
-            self.monitor.stop(wait_s=min(8.0, float(self.config.engine_control_timeout)))
-            self.monitor = None
-        if self.router is not None:
-            self.router.stop()
-            self.router = None
-        if self.pool is not None:
-            self.pool.shutdown()
+        # within the controller's grace for this call (relax.core.deadlines: at most 10 s)
+        stop_engines(self.monitor, self.router, self.pool, min(8.0, float(self.config.engine_control_timeout)))
+        self.monitor = self.router = None
         if self.genrm is not None:
             set_active_judge(None)
             self.genrm.shutdown()

@@ -496,3 +496,15 @@ class HealthMonitor:
             self.pool.event("engine_replace_failed", engine=e.id, reason=str(exc))
         finally:
             self._replacing.discard(e.id)
+
+
+def stop_engines(monitor: Optional["HealthMonitor"], router: Any, pool: Optional[EnginePool], wait_s: float) -> None:
+    """Stop one set of engines in the order that loses nothing: the health monitor first (no replacement starts
+    while they stop; it waits at most `wait_s` for one under way), then the router, then the pool's engines.
+    Any of them may be None."""
+    if monitor is not None:
+        monitor.stop(wait_s=wait_s)
+    if router is not None:
+        router.stop()
+    if pool is not None:
+        pool.shutdown()

@@ -21,7 +21,6 @@ import logging
 import os
 from typing import Any
 
-import ray
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from transformers import AutoTokenizer
@@ -30,7 +29,7 @@ from relax.backends.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
 from relax.backends.sglang.router import RouterProcess
 from relax.core.placement import cluster_has_gpus, create_placement_group
 from relax.roles.engine import EngineActor
-from relax.rollout.engine_pool import EnginePool, HealthMonitor
+from relax.rollout.engine_pool import EnginePool, HealthMonitor, stop_engines
 from relax.rollout.genrm.config import engine_config
 from relax.rollout.rewards.genrm import GenRMJudge
 
@@ -101,15 +100,8 @@ class GenRMService:
         return self.pool.list() if self.pool is not None else []
 
     def shutdown(self) -> None:
-        if self.monitor is not None:
-            self.monitor.stop(wait_s=min(8.0, float(self.config.engine_control_timeout)))
-            self.monitor = None
-        if self.router is not None:
-            self.router.stop()
-            self.router = None
-        if self.pool is not None:
-            self.pool.shutdown()
-            self.pool = None
+        stop_engines(self.monitor, self.router, self.pool, min(8.0, float(self.config.engine_control_timeout)))
+        self.monitor = self.router = self.pool = None
         if self.placement_group is not None:
             try:
                 remove_placement_group(self.placement_group)
