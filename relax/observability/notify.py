@@ -165,6 +165,11 @@ class Notifier:
             f"; {detail}" if detail else "")
         return self.send(f"relax run {self.name} finished", body, apprise.NotifyType.SUCCESS)
 
+    def restarted(self, detail: str) -> bool:
+        """--use-health-check restarted the run after a failure (`detail`: what failed, where it resumes)."""
+        return self.send(f"relax run {self.name} restarted", f"restarted on {self.host}: {detail}",
+                         apprise.NotifyType.WARNING)
+
     def failed(self, code: int, error: str | None) -> bool:
         first = (error or "").strip().splitlines()
         reason = first[0] if first else "no error message was logged"
