@@ -6,7 +6,9 @@ created by `launch_aux_groups` (early, so their start-up overlaps the other role
 step (relax.core.stages), which reads the step's samples from the data plane and writes its result back as a
 stage field:
   * reference (--use-kl-loss / --kl-coef): `compute(step)` writes `ref_logprobs`; every
-    --ref-update-interval steps the actor ranks copy their weights into it after the update;
+    --ref-update-interval steps the actor ranks copy their weights into it after the update. In a synchronous
+    run without GPUs it is no role of its own: the actor's rank processes hold the reference model and compute
+    the same rows (`relax.roles.trainer.reference_in_trainer`; `AuxRoles.reference_in_trainer`);
   * teacher (--use-opd --opd-type megatron): `compute(step)` writes `teacher_logprobs`; with --opd-type sglang
     the teacher is an SGLang-API server at --rm-url instead of a role
     (relax.rollout.teacher_client.SGLangTeacher, called from the controller with the same interface);
@@ -33,6 +35,7 @@ from relax.core.checkpointing import keep_limit, rotate_checkpoints
 from relax.core.placement import create_placement_group
 from relax.roles.critic import CriticWorker
 from relax.roles.reference import ReferenceWorker
+from relax.roles.trainer import reference_in_trainer
 from relax.rollout.teacher_client import SGLangTeacher
 
 logger = logging.getLogger(__name__)
@@ -157,9 +160,12 @@ class AuxRoles:
     """The auxiliary role groups of a run (None where the config needs none) and their checkpoints."""
 
     def __init__(self, config: Any, reference: ReferenceGroup | None = None, critic: CriticGroup | None = None,
-                 teacher: Any = None):  # a TeacherGroup, or an SGLangTeacher (--opd-type sglang)
+                 teacher: Any = None,  # a TeacherGroup, or an SGLangTeacher (--opd-type sglang)
+                 reference_in_trainer: bool = False):
         self.config = config
         self.reference = reference
+        # the reference log-probs come from the actor's ranks (TrainerWorker.reference_logprobs), not a group
+        self.reference_in_trainer = reference_in_trainer
         self.critic = critic
         self.teacher = teacher
 
@@ -208,7 +214,7 @@ def launch_aux_groups(config: Any, *, use_gpu: bool) -> dict[str, WorkerGroup]:
     if config.debug_rollout_only:
         return groups
     try:
-        if needs_reference(config):
+        if needs_reference(config) and not reference_in_trainer(config, use_gpu):
             groups["reference"] = ReferenceGroup(config, use_gpu=use_gpu)
         if needs_teacher(config):
             groups["teacher"] = TeacherGroup(config, use_gpu=use_gpu)
@@ -237,7 +243,8 @@ def build_aux_roles(config: Any, *, use_gpu: bool, data_plane: Any,
         for group in groups.values():
             group.shutdown()
         raise
-    return AuxRoles(config, groups.get("reference"), critic=groups.get("critic"), teacher=groups.get("teacher"))
+    return AuxRoles(config, groups.get("reference"), critic=groups.get("critic"), teacher=groups.get("teacher"),
+                    reference_in_trainer=needs_reference(config) and reference_in_trainer(config, use_gpu))
 
 
 def save_to_own_root(group: Any, root: Path, name: str, config: Any) -> Path:

@@ -29,7 +29,7 @@ from relax.backends.megatron.trainer import MegatronTrainer
 from relax.data.plane import DataPlane
 from relax.observability import timeline
 from relax.roles.megatron_rank import MegatronRank
-from relax.roles.trainer import trainer_settings
+from relax.roles.trainer import build_reference_trainer, trainer_settings
 
 
 def _checkpoint_arch(kind: str, where) -> Any:
@@ -63,13 +63,7 @@ class ReferenceWorker(MegatronRank):
             self.data = DataPlane.attach()
             return {"rank": self.rank, "dp": self.trainer.layout.dp, "source": f"{source} {where}"}
         # The actor's model (relax.roles.trainer.TrainerWorker.setup): --ref-update-interval copies its state here.
-        self.trainer = MegatronTrainer(arch_for_run(self.config), settings)
-        source = "random"
-        if self.config.hf_checkpoint:
-            source = "hf"
-            self.trainer.load_hf(self.config.hf_checkpoint)
-        if self.config.ref_load:
-            source = self.trainer.load_weights(self.config.ref_load, self.config.ref_ckpt_step)
+        self.trainer, source = build_reference_trainer(self.config)
         self.data = DataPlane.attach()
         return {"rank": self.rank, "dp": self.trainer.layout.dp, "source": source}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
@@ -15,6 +16,7 @@ from relax.backends.megatron.arch import arch_for_run
 from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
 from relax.config.support_gpu import GPU_ONLY_REASONS
 from relax.data.plane import DataPlane
+from relax.data.sample import Sample
 from relax.observability import timeline
 from relax.observability.metrics_client import MetricsReporter
 from relax.observability.profiling import Profiling, install_cuda_memory_check
@@ -64,6 +66,52 @@ def trainer_settings(config: Any, *, forward_only: bool = False):
     )
 
 
+def reference_in_trainer(config: Any, use_gpu: bool) -> bool:
+    """Whether the reference log-probs are computed inside the actor's own rank processes instead of a reference
+    role of their own: a synchronous run without GPUs, whose reference is never refreshed from the actor
+    (--ref-update-interval), with the actor resident (no --colocate / --offload-train).
+
+    Why: on CPU the reference model is a second copy beside the actor's in host memory either way, and the
+    stages of a synchronous step never overlap; a role of its own costs one more process to start (torch and
+    Megatron imports, a model build; measured ~3 CPU-seconds of the embedded default's start-up on 2 cores), a
+    Ray call and a data-plane read of the step per step, where in the trainer the step's samples read for the
+    reference are the ones the actor's forward stage reads next. On GPU a separate reference keeps its own
+    devices, so it stays a role there; with --fully-async the reference of a later step may run beside an update."""
+    return (bool(config.use_kl_loss or config.kl_coef) and not use_gpu and not config.fully_async
+            and not config.ref_update_interval and not config.colocate and not config.offload_train
+            and not config.debug_rollout_only)
+
+
+def build_reference_trainer(config: Any) -> tuple[MegatronTrainer, str]:
+    """The reference model (forward only, the actor's architecture and parallel layout): --hf-checkpoint's weights,
+    then --ref-load's if given. Returns (trainer, where its weights came from)."""
+    trainer = MegatronTrainer(arch_for_run(config), trainer_settings(config, forward_only=True))
+    source = "random"
+    if config.hf_checkpoint:
+        source = "hf"
+        trainer.load_hf(config.hf_checkpoint)
+    if config.ref_load:
+        source = trainer.load_weights(config.ref_load, config.ref_ckpt_step)
+    return trainer, source
+
+
+@contextlib.contextmanager
+def _random_state_kept():
+    """Building a second model in a rank re-seeds and draws (relax.backends.megatron.parallel.seed_all, random
+    init before the weights load): the actor's random streams continue afterwards as if it had not happened."""
+    import random
+
+    import numpy as np
+
+    states = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+    try:
+        yield
+    finally:
+        torch.set_rng_state(states[0])
+        random.setstate(states[1])
+        np.random.set_state(states[2])
+
+
 @ray.remote
 class TrainerWorker(MegatronRank):
     """One rank of the actor's Megatron group. All ranks are called together for collectives."""
@@ -71,6 +119,13 @@ class TrainerWorker(MegatronRank):
     def __init__(self, config: Any, rank: int, world_size: int, threads: int = 1):
         super().__init__(config, rank, world_size, threads)
         self._batches: dict[int, Any] = {}  # step -> StepBatch, from the forward stage to the update
+        # Rows of the step's stage fields this rank computed itself (all of them, or its data-parallel share
+        # when dp is 1): later stages of the same step take them from here instead of reading them back from
+        # the data plane, where they are written all the same. One step at a time, like `_batches`.
+        self._rows: dict[int, dict[str, list[torch.Tensor]]] = {}
+        # the step's samples read by the in-trainer reference stage, for the forward stage that follows
+        self._prefetched: dict[int, list[Sample]] = {}
+        self.reference = None  # the reference model when `reference_in_trainer`
         # --use-pytorch-profiler sections and --memory-snapshot-num-steps records of this rank
         self.profiling = Profiling.from_config(config, rank)
         self.reporter = MetricsReporter.from_config(config)  # --use-metrics-service; a no-op otherwise
@@ -88,6 +143,9 @@ class TrainerWorker(MegatronRank):
             self.trainer.load_weights(self.config.ref_load, self.config.ref_ckpt_step)
         if self.config.keep_old_actor:  # the engines start from these weights (see push_weights)
             self.trainer.keep_weights("old_actor")
+        if reference_in_trainer(self.config, use_gpu=torch.cuda.is_available()):
+            with _random_state_kept():
+                self.reference, _ = build_reference_trainer(self.config)
         self.data = DataPlane.attach()
         return {"rank": self.rank, "dp": self.trainer.layout.dp, "where": self.where(), "params": sum(
             p.numel() for p in self.trainer.gpt_model.parameters())}
@@ -104,7 +162,9 @@ class TrainerWorker(MegatronRank):
         t0 = time.perf_counter()
         self.profiling.memory_begin()  # a training step runs from this stage to the update (`train`)
         self.profiling.start("train_overall", step)
-        samples = self.data.get(step)  # the whole step, in index order, on every rank
+        samples = self._prefetched.pop(step, None)  # read by this rank's reference stage just before
+        if samples is None:
+            samples = self.data.get(step)  # the whole step, in index order, on every rank
         failed = check_step_rewards(samples, step, reward_name(self.config))
         with self.profiling.section("train_log_probs", step):
             batch, olds = forward_stage(self.trainer, samples, self.config, step)
@@ -112,6 +172,8 @@ class TrainerWorker(MegatronRank):
         if olds is not None and self.rank == 0:
             self.data.put_fields(step, [s.index for s in batch.samples], old_logprobs=olds)
         self._batches = {step: batch}  # a step's batch replaces the last one: one step in flight per rank
+        if olds is not None:  # every rank computed all of them
+            self._keep_rows(step, old_logprobs=olds)
         return {"perf/old_logprob_time": time.perf_counter() - t0}
 
     @timeline.traced("actor advantages", cat="train")
@@ -120,12 +182,12 @@ class TrainerWorker(MegatronRank):
         teacher log-probs, critic values), written as `advantages` (and `returns` with ppo)."""
         t0 = time.perf_counter()
         batch = self._batch(step)
-        inputs = [f for f in ("old_logprobs", "ref_logprobs", "values", "teacher_logprobs")
-                  if f in self.data.written_fields(step)]
+        inputs = self._written(step, ("old_logprobs", "ref_logprobs", "values", "teacher_logprobs"))
         rows = self._read_fields(batch, inputs)
         advantages, returns, _ = advantage_stage(batch, self.config, **rows)
         out = {"advantages": advantages} if returns is None else {"advantages": advantages, "returns": returns}
         self.data.put_fields(step, [s.index for s in batch.samples], **out)
+        self._keep_rows(step, advantages=advantages)
         return {"perf/advantages_time": time.perf_counter() - t0}
 
     @timeline.traced("actor update", cat="train")
@@ -133,9 +195,9 @@ class TrainerWorker(MegatronRank):
         """The actor's update (every rank) from the step's advantages, old and reference log-probs."""
         batch = self._batches.pop(step, None) or self._batch(step)
         wanted = ["advantages"] + (["old_logprobs"] if batch.has_old_logprobs else [])
-        if "ref_logprobs" in self.data.written_fields(step):
-            wanted.append("ref_logprobs")
+        wanted += self._written(step, ("ref_logprobs",))
         rows = self._read_fields(batch, wanted)
+        self._rows.pop(step, None)
         with self.profiling.section("train_actor", step):
             metrics = update_stage(self.trainer, batch, self.config, **rows)
         self.profiling.stop("train_overall", step)
@@ -149,19 +211,72 @@ class TrainerWorker(MegatronRank):
             raise RuntimeError(f"step {step}: the actor's forward stage has not run on rank {self.rank}")
         return batch
 
+    def _keep_rows(self, step: int, **rows: list[torch.Tensor]) -> None:
+        """Keep rows this rank computed for every sample of the batch (float32, as the data plane stores them, so
+        a later stage reads the same values either way)."""
+        kept = self._rows.setdefault(step, {})
+        for key in [k for k in self._rows if k != step]:
+            del self._rows[key]
+        for name, values in rows.items():
+            kept[name] = [v.detach().float() for v in values]
+
+    def _holds_every_field(self) -> bool:
+        """Whether every stage field of a step that this rank reads is one it computed itself: no critic or teacher,
+        and the reference (if any) in this process with one data-parallel rank."""
+        c = self.config
+        if c.advantage_estimator == "ppo" or c.use_opd:
+            return False
+        if not (c.use_kl_loss or c.kl_coef):
+            return True
+        return self.reference is not None and self.reference.layout.dp == 1
+
+    def _written(self, step: int, names: tuple[str, ...]) -> list[str]:
+        """Which of the stage fields `names` the step has so far (without asking the data plane when this rank
+        holds every field it reads)."""
+        if self._holds_every_field():
+            kept = self._rows.get(step, {})
+            return [n for n in names if n in kept]
+        written = self.data.written_fields(step)
+        return [n for n in names if n in written]
+
     def _read_fields(self, batch, names: list[str]) -> dict[str, Any]:
-        """The step's stage fields `names` as float32 rows aligned with the batch's samples."""
-        if not names:
-            return {}
-        stored = self.data.get(batch.step, fields=["index", *names])
+        """The step's stage fields `names` as float32 rows aligned with the batch's samples: those this rank kept
+        (`_keep_rows`), the others read from the data plane."""
+        kept = self._rows.get(batch.step, {})
+        out = {name: kept[name] for name in names if name in kept}
+        missing = [name for name in names if name not in out]
+        if not missing:
+            return out
+        stored = self.data.get(batch.step, fields=["index", *missing])
         if [s.index for s in stored] != [s.index for s in batch.samples]:
             raise RuntimeError(f"step {batch.step}: the data plane holds other samples than the actor's batch")
-        out = {}
-        for name in names:
+        for name in missing:
             rows = [getattr(s, name) for s in stored]
             check_rows(batch.samples, rows, name, batch.step)  # the rows follow the trained responses
             out[name] = [torch.tensor(r, dtype=torch.float32) for r in rows]
         return out
+
+    @timeline.traced("reference log-probs", cat="train")
+    def reference_logprobs(self, step: int) -> dict[str, Any]:
+        """Stage, with the reference in this process (`reference_in_trainer`): the reference log-probs of this
+        data-parallel rank's share of step `step`, written as `ref_logprobs` (what `ReferenceWorker.compute`
+        does in a role of its own). The step's samples stay here for the forward stage that follows; no other
+        stage writes before it when this rank holds every field (`_holds_every_field`)."""
+        if self.reference is None:
+            raise RuntimeError(f"trainer rank {self.rank} has no reference model (reference_in_trainer is False)")
+        t0 = time.perf_counter()
+        samples = self.data.get(step)
+        if self._holds_every_field():
+            self._prefetched = {step: samples}
+        layout = self.reference.layout
+        mine = samples[layout.dp_rank::layout.dp]
+        inputs = [{"tokens": torch.tensor(s.prompt_tokens + s.response_tokens, dtype=torch.long),
+                   "response_length": len(s.response_tokens)} for s in mine]
+        logprobs = self.reference.compute_logprobs(inputs, self.config.rollout_temperature) if inputs else []
+        self.data.put_fields(step, [s.index for s in mine], ref_logprobs=logprobs)
+        if layout.dp == 1:
+            self._keep_rows(step, ref_logprobs=logprobs)
+        return {"samples": len(mine), "seconds": time.perf_counter() - t0}
 
     def refresh_reference(self, step: int, targets: list[Any]) -> dict[str, float]:
         """--ref-update-interval: copy this rank's weights into its reference peer (after the step's update)."""
