@@ -52,7 +52,7 @@ def test_help_runs_and_never_says_none():
     assert entries["--micro-batch-size"].split("(default: ")[1].startswith(f"1; the embedded default run uses {preset_mbs}")
     assert entries["--expert-tensor-parallel-size"].endswith("(default: 1)")
     assert entries["--no-save-optim"].endswith("(default: off)")
-    assert entries["--moe-aux-loss-coeff"].endswith("Not supported yet. (default: 0.0)")
+    assert entries["--tp-comm-overlap"].endswith("Not supported yet. (default: off)")
 
 
 def _entries(help_output: str) -> dict[str, str]:

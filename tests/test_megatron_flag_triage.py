@@ -87,13 +87,13 @@ def test_gpu_only_flags_are_refused_on_a_cpu_only_local_run_with_the_reason(tmp_
 
 
 def test_a_refused_flag_still_says_not_supported_yet(tmp_path):
-    config = parse_config(["--output-dir", str(tmp_path), "--init-method-std", "0.01", "--fp8-format", "e4m3"])
-    assert unsupported_flags(config) == ["--fp8-format", "--init-method-std"]
-    with pytest.raises(ConfigError, match="not supported yet: --fp8-format, --init-method-std"):
+    config = parse_config(["--output-dir", str(tmp_path), "--init-model-with-meta-device", "--tp-comm-overlap"])
+    assert unsupported_flags(config) == ["--init-model-with-meta-device", "--tp-comm-overlap"]
+    with pytest.raises(ConfigError, match="not supported yet: --init-model-with-meta-device, --tp-comm-overlap"):
         require_supported(config)
     lines = explain(config).splitlines()
-    assert lines[-1].startswith("not supported yet (a real run stops before starting Ray): --fp8-format")
-    assert any(line.startswith("not built (model initialisation): --init-method-std;") for line in lines)
+    assert lines[-1].startswith("not supported yet (a real run stops before starting Ray): --init-model-with-meta")
+    assert any(line.startswith("not built (model initialisation): --init-model-with-meta-device;") for line in lines)
 
 
 def test_the_new_gpu_switches_reach_megatrons_config_objects(tmp_path, monkeypatch):

@@ -14,9 +14,11 @@ import enum
 import json
 from typing import Any
 
+from relax.config.megatron_options import OPTION_HELP
 from relax.config.presets import EMBEDDED_PRESET, PRESET_NOTES
 from relax.config.rules_arch import ARCH_FLAG_HELP
 from relax.config.support import IMPLEMENTED, SUPPORTED_VALUES, is_sglang_server_flag, same_value
+from relax.config.support_gpu import GPU_ONLY_OPTION_REASONS
 from relax.config.support_megatron import NO_EFFECT_REASONS
 from relax.config.validate import DERIVED_FROM
 
@@ -24,6 +26,9 @@ from relax.config.validate import DERIVED_FROM
 # relax.config.support.IMPLEMENTED that come from Megatron's parser; a test keeps the two in step).
 MEGATRON_HELP: dict[str, str] = {
     **ARCH_FLAG_HELP,
+    # passed to Megatron-core's config objects as they are (relax.config.megatron_options)
+    **{dest: text + (f" GPU only: {GPU_ONLY_OPTION_REASONS[dest]}." if dest in GPU_ONLY_OPTION_REASONS else "")
+       for dest, text in OPTION_HELP.items()},
     "accumulate_allreduce_grads_in_fp32": "Accumulate and all-reduce gradients in fp32. The trainer always does "
                                           "(unlike Megatron, which does so by default only with --bf16).",
     "attention_backend": "Attention implementation: flash and fused are Transformer Engine's GPU kernels (without "

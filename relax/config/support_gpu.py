@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from relax.config.errors import ConfigError
+from relax.config.megatron_options import GPU_OPTIONS, same_value
 
 # dest -> what it does and why that needs a GPU
 GPU_ONLY_REASONS: dict[str, str] = {
@@ -33,14 +34,54 @@ GPU_ONLY_REASONS: dict[str, str] = {
     # torch.distributed's collectives when it is on
     "enable_cuda_memory_check": "logs free GPU memory (torch.cuda.mem_get_info) around every collective",
 }
-GPU_ONLY_FEATURES: frozenset[str] = frozenset(GPU_ONLY_REASONS)
+_TE = "Transformer Engine's CUDA kernels"
+_FP8 = "a setting of fp8 training, which runs on " + _TE + " (Hopper or newer GPUs)"
+_FP4 = "a setting of fp4 training, which runs on " + _TE + " (Blackwell GPUs)"
+_OFFLOAD = "moves activations from GPU memory to the CPU on CUDA streams (Megatron's activation offloading)"
+_PRECISION_AWARE = ("a state dtype of --use-precision-aware-optimizer, Transformer Engine's fused Adam (CUDA "
+                    "kernels)")
+# Megatron-core settings passed as values (relax.config.megatron_options, `TrainerSettings.megatron_options`), not
+# through `TrainerSettings.gpu_features`: each reaches its Megatron config object on a GPU
+# (relax.backends.megatron.megatron_options) and is refused on a CPU-only run.
+GPU_ONLY_OPTION_REASONS: dict[str, str] = {
+    "fp8": "fp8 training with " + _TE + " (Hopper or newer GPUs)",
+    "fp8_recipe": _FP8, "fp8_margin": _FP8, "fp8_interval": _FP8, "fp8_amax_history_len": _FP8,
+    "fp8_amax_compute_algo": _FP8, "fp8_wgrad": _FP8, "fp8_param_gather": _FP8, "keep_fp8_transpose_cache": _FP8,
+    "first_last_layers_bf16": _FP8 + " or fp4", "num_layers_at_start_in_bf16": _FP8 + " or fp4",
+    "num_layers_at_end_in_bf16": _FP8 + " or fp4", "moe_router_padding_for_fp8": _FP8,
+    "moe_router_padding_for_quantization": _FP8 + " or fp4", "reuse_grad_buf_for_mxfp8_param_ag": _FP8 + " (MXFP8)",
+    "fp4": "fp4 training with " + _TE + " (Blackwell GPUs)", "fp4_recipe": _FP4, "fp4_param": _FP4,
+    "use_te_activation_func": "runs the MLP's activation as Transformer Engine's fused kernel (CUDA)",
+    "batch_invariant_mode": "swaps in batch-invariant CUDA (Triton) kernels for matmuls and reductions",
+    "symmetric_ar_type": "all-reduces through NCCL / CUDA symmetric memory (multimem) on GPUs",
+    "cpu_offloading_num_layers": _OFFLOAD, "fine_grained_activation_offloading": _OFFLOAD,
+    "offload_modules": _OFFLOAD, "min_offloaded_tensor_size": _OFFLOAD,
+    "cp_comm_type": ("chooses the key/value exchange of Transformer Engine's context-parallel attention (CUDA); "
+                     "the CPU attention always all-gathers (--allgather-cp)"),
+    "hierarchical_context_parallel_sizes": "the groups of --cp-comm-type a2a+p2p, Transformer Engine's attention (CUDA)",
+    "main_grads_dtype": _PRECISION_AWARE, "main_params_dtype": _PRECISION_AWARE, "exp_avg_dtype": _PRECISION_AWARE,
+    "exp_avg_sq_dtype": _PRECISION_AWARE,
+    "optimizer_offload_fraction": "the share of the optimizer state --optimizer-cpu-offload moves off the GPU",
+    "pin_cpu_grads": "pinned host memory for the GPU-to-CPU copies of --optimizer-cpu-offload",
+    "pin_cpu_params": "pinned host memory for the GPU-to-CPU copies of --optimizer-cpu-offload",
+    "use_sharp": "NCCL's SHARP in-network reductions (InfiniBand switches)",
+    "sharp_enabled_group": "NCCL's SHARP in-network reductions (InfiniBand switches)",
+    "high_priority_stream_groups": "NCCL communicators on high-priority CUDA streams",
+    "nccl_communicator_config_path": "a YAML of NCCL communicator settings (NCCL is the GPU collective library)",
+    "te_rng_tracker": "Transformer Engine's CUDA RNG tracker",
+}
+assert set(GPU_ONLY_OPTION_REASONS) == GPU_OPTIONS, sorted(GPU_OPTIONS ^ set(GPU_ONLY_OPTION_REASONS))
+_ALL_REASONS = {**GPU_ONLY_REASONS, **GPU_ONLY_OPTION_REASONS}
+GPU_ONLY_FEATURES: frozenset[str] = frozenset(_ALL_REASONS)
 
 
 def gpu_only_flags(config: Any) -> list[str]:
-    """The GPU-only flags the user switched on, each with its reason."""
+    """The GPU-only flags the user switched on or set to a value other than the default, each with its reason."""
     names = config.meta.get("flag_names", {})
-    return [f"{names.get(dest, '--' + dest.replace('_', '-'))} ({GPU_ONLY_REASONS[dest]})"
-            for dest in sorted(GPU_ONLY_REASONS) if config.get(dest)]
+    defaults = config.meta.get("defaults", {})
+    return [f"{names.get(dest, '--' + dest.replace('_', '-'))} ({_ALL_REASONS[dest]})"
+            for dest in sorted(_ALL_REASONS)
+            if (not same_value(config.get(dest), defaults[dest]) if dest in defaults else config.get(dest))]
 
 
 def local_run_has_gpu() -> bool | None:

@@ -89,8 +89,6 @@ NO_EFFECT_REASONS: dict[str, str] = {
     # launcher and Megatron-LM initialisation (Ray starts and wires the ranks)
     "local_rank": "Ray starts every trainer rank and gives it its rank; there is no torchrun launcher",
     "lazy_mpu_init": "Relax's trainer ranks initialise torch.distributed and Megatron's parallel state themselves",
-    "align_grad_reduce": ("it times the gradient reduces of --overlap-grad-reduce, which Relax does not do: "
-                          "gradients are reduced once after the whole backward pass"),
     "scatter_gather_tensors_in_pipeline": ("read only by Megatron-LM's own training script; megatron-core, which "
                                            "Relax's trainer runs, has no such setting"),
     # Megatron's language-model loss: Relax computes token log-probs from the logits itself

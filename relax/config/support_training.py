@@ -2,6 +2,7 @@
 code and test."""
 
 from relax.backends.megatron.arch import BUILDABLE_FLAGS, SIZE_FLAGS
+from relax.config.megatron_options import CPU_OPTIONS
 from relax.config.support_gpu import GPU_ONLY_FEATURES
 
 # Megatron's architecture flags: checked against the --hf-checkpoint config before the run
@@ -9,7 +10,7 @@ from relax.config.support_gpu import GPU_ONLY_FEATURES
 # features no supported model family has (--rotary-interleaved, --qk-l2-norm, ...) stay refused when set.
 ARCH_FEATURES: frozenset[str] = BUILDABLE_FLAGS | frozenset(SIZE_FLAGS)
 
-TRAINING_FEATURES: frozenset[str] = ARCH_FEATURES | GPU_ONLY_FEATURES | frozenset({
+TRAINING_FEATURES: frozenset[str] = ARCH_FEATURES | GPU_ONLY_FEATURES | CPU_OPTIONS | frozenset({
     # reference role and KL (tests/test_training_*.py, tests/test_training_e2e.py)
     "use_kl_loss", "kl_loss_coef", "kl_loss_type", "use_unbiased_kl", "kl_coef", "ref_load", "ref_ckpt_step",
     "ref_update_interval", "gamma",

@@ -14,6 +14,7 @@ from megatron.core import parallel_state as ps
 
 from relax.backends.megatron.arch import arch_for_run
 from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
+from relax.config.megatron_options import options_from_config
 from relax.config.support_gpu import GPU_ONLY_REASONS
 from relax.data.plane import DataPlane
 from relax.data.sample import Sample
@@ -63,6 +64,7 @@ def trainer_settings(config: Any, *, forward_only: bool = False):
         # Relax's default is 0 (relax.config.megatron.RELAX_DEFAULT_OVERRIDES), Megatron's 0.1
         hidden_dropout=float(config.hidden_dropout), attention_dropout=float(config.attention_dropout),
         attention_backend=backend, moe_router_dtype=config.moe_router_dtype,
+        megatron_options=options_from_config(config),
     )
 
 

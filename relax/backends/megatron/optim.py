@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -13,11 +13,17 @@ OPTIMIZER_GPU_FEATURES = ("optimizer_cpu_offload", "overlap_cpu_optimizer_d2h_h2
                           "use_torch_optimizer_for_cpu_offload")
 
 
-def wrap_ddp(model: torch.nn.Module, transformer_config, *, use_distributed_optimizer: bool):
+def wrap_ddp(model: torch.nn.Module, transformer_config, *, use_distributed_optimizer: bool, align_grad_reduce: bool = True,
+             **ddp_overrides: Any):
     """Wrap a GPTModel in Megatron's DDP (contiguous grad buffers, `main_grad`).
 
     Also points the config at `finalize_model_grads`, which all-reduces
     gradients over data-parallel ranks (and embeddings over pipeline ends).
+    `ddp_overrides`: DistributedDataParallelConfig fields (relax.backends.megatron.megatron_options.ddp_fields).
+    With `overlap_grad_reduce`, Megatron-LM's training script's hooks are set as it sets them: the schedules run
+    every micro-batch but the last under `no_sync` (each bucket's reduce starts as the last backward pass fills
+    it) and, with `align_grad_reduce` (--no-align-grad-reduce turns it off), pipeline schedules start each
+    stage's reduce together.
     """
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -25,16 +31,21 @@ def wrap_ddp(model: torch.nn.Module, transformer_config, *, use_distributed_opti
         finalize_model_grads,
     )
 
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=use_distributed_optimizer,
-        check_for_nan_in_grad=False,
-    )
+    ddp_config = DistributedDataParallelConfig(**{
+        "grad_reduce_in_fp32": True,
+        "overlap_grad_reduce": False,
+        "use_distributed_optimizer": use_distributed_optimizer,
+        "check_for_nan_in_grad": False,
+        **ddp_overrides,
+    })
     wrapped = DistributedDataParallel(
         config=transformer_config, ddp_config=ddp_config, module=model
     )
     transformer_config.finalize_model_grads_func = finalize_model_grads
+    if ddp_config.overlap_grad_reduce:
+        transformer_config.no_sync_func = wrapped.no_sync
+        if align_grad_reduce:
+            transformer_config.grad_sync_func = wrapped.start_grad_sync
     return wrapped
 
 
@@ -52,13 +63,16 @@ def build_optimizer(
     bf16: bool,
     fp16: bool,
     use_distributed_optimizer: bool,
-    initial_loss_scale: float = 2.0**16,
+    initial_loss_scale: float = 2.0**32,
     optimizer: str = "adam",
     sgd_momentum: float = 0.9,
     gpu_features: tuple[str, ...] = (),
+    **optimizer_overrides: Any,
 ):
     """`get_megatron_optimizer` with `optimizer` (adam: AdamW with decoupled weight decay, as Megatron; sgd:
-    SGD with `sgd_momentum`); sets the config's loss-scale hook."""
+    SGD with `sgd_momentum`); sets the config's loss-scale hook. `initial_loss_scale` (fp16) is Megatron's default,
+    as --initial-loss-scale's; `optimizer_overrides`: OptimizerConfig fields
+    (relax.backends.megatron.megatron_options.optimizer_fields)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     gpu = {name: True for name in OPTIMIZER_GPU_FEATURES if name in gpu_features}
@@ -80,7 +94,7 @@ def build_optimizer(
         fp16=fp16,
         params_dtype=transformer_config.params_dtype,
         use_distributed_optimizer=use_distributed_optimizer,
-        initial_loss_scale=initial_loss_scale,
+        **{"initial_loss_scale": initial_loss_scale, **optimizer_overrides},
     )
     optimizer = get_megatron_optimizer(config, [ddp_model])
     transformer_config.grad_scale_func = optimizer.scale_loss
@@ -97,24 +111,62 @@ def build_scheduler(
     lr_decay_iters: Optional[int],
     lr_warmup_init: float,
     weight_decay: float,
+    global_batch_size: Optional[int] = None,
+    lr_warmup_fraction: Optional[float] = None,
+    lr_warmup_samples: int = 0,
+    lr_decay_samples: Optional[int] = None,
+    lr_wsd_decay_style: str = "exponential",
+    lr_wsd_decay_iters: Optional[int] = None,
+    lr_wsd_decay_samples: Optional[int] = None,
+    start_weight_decay: Optional[float] = None,
+    end_weight_decay: Optional[float] = None,
+    weight_decay_incr_style: str = "constant",
+    override_opt_param_scheduler: bool = False,
+    use_checkpoint_opt_param_scheduler: bool = False,
 ):
-    """An `OptimizerParamScheduler` counting optimizer steps (one per train_step)."""
+    """An `OptimizerParamScheduler` counting optimizer steps (one per train_step), from Megatron-LM's flags as its
+    training script turns them into the scheduler's arguments. Megatron-LM counts in samples; one optimizer step is
+    one global batch, so `*_samples` flags become steps of `global_batch_size` samples (fractions kept: the
+    schedule is the same function of the samples trained). --lr-warmup-fraction is a fraction of the decay steps;
+    the weight decay goes from --start-weight-decay to --end-weight-decay over the decay steps (Megatron-LM: over
+    --train-iters, which Relax's run does not have)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    def steps(samples: Optional[float]) -> Optional[float]:
+        if not samples:  # None (unset) or 0
+            return samples
+        if not global_batch_size:
+            raise ValueError("sample counts of the lr schedule need global_batch_size")
+        return samples / global_batch_size
+
+    if lr_decay_samples is not None:
+        lr_decay_iters = steps(lr_decay_samples)
     if lr_decay_iters is None:
-        if lr_decay_style != "constant":
-            raise ValueError(f"lr_decay_style={lr_decay_style!r} needs lr_decay_iters")
-        lr_decay_iters = lr_warmup_iters + 1
+        if lr_decay_style != "constant" or lr_warmup_fraction is not None or weight_decay_incr_style != "constant":
+            raise ValueError(f"lr_decay_style={lr_decay_style!r}, --lr-warmup-fraction and --weight-decay-incr-style "
+                             "need lr_decay_iters")
+        lr_decay_iters = max(lr_warmup_iters, steps(lr_warmup_samples) or 0) + 1
+    if lr_warmup_fraction is not None:
+        warmup = lr_warmup_fraction * lr_decay_iters
+    elif lr_warmup_samples:
+        warmup = steps(lr_warmup_samples)
+    else:
+        warmup = lr_warmup_iters
+    wsd = steps(lr_wsd_decay_samples) if lr_wsd_decay_samples is not None else lr_wsd_decay_iters
     return OptimizerParamScheduler(
         optimizer,
         init_lr=lr_warmup_init,
         max_lr=lr,
         min_lr=min_lr,
-        lr_warmup_steps=lr_warmup_iters,
+        lr_warmup_steps=warmup,
         lr_decay_steps=lr_decay_iters,
         lr_decay_style=lr_decay_style,
-        start_wd=weight_decay,
-        end_wd=weight_decay,
+        start_wd=weight_decay if start_weight_decay is None else start_weight_decay,
+        end_wd=weight_decay if end_weight_decay is None else end_weight_decay,
         wd_incr_steps=lr_decay_iters,
-        wd_incr_style="constant",
+        wd_incr_style=weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=override_opt_param_scheduler,
+        wsd_decay_steps=wsd,
+        lr_wsd_decay_style=lr_wsd_decay_style,
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime
 import random
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -96,11 +96,15 @@ def init_model_parallel(
     etp: Optional[int] = None,
     timeout_minutes: float = 30.0,
     seed: Optional[int] = 1234,
+    te_rng_tracker: bool = False,
+    **group_options: Any,
 ) -> ParallelLayout:
     """Initialise Megatron's parallel state over the default group, then `seed_all(seed)`.
 
     Re-initialising with the same sizes only re-seeds; other sizes raise.
-    `seed=None` leaves the random state alone.
+    `seed=None` leaves the random state alone. `group_options`: further arguments of Megatron's
+    `initialize_model_parallel` (relax.backends.megatron.megatron_options.parallel_fields); `te_rng_tracker`:
+    Transformer Engine's RNG tracker (--te-rng-tracker).
     """
     from megatron.core import parallel_state as ps
 
@@ -127,13 +131,14 @@ def init_model_parallel(
             expert_model_parallel_size=ep,
             expert_tensor_parallel_size=etp,
             distributed_timeout_minutes=int(max(1, timeout_minutes)),
+            **group_options,
         )
     if seed is not None:
-        seed_all(seed)
+        seed_all(seed, te_rng_tracker=te_rng_tracker)
     return layout()
 
 
-def seed_all(seed: int) -> None:
+def seed_all(seed: int, te_rng_tracker: bool = False) -> None:
     """Seed Python, NumPy, torch and Megatron's RNG tracker as Megatron-LM does.
 
     Pipeline stages get different streams (seed + 100 * pp_rank); within a
@@ -148,7 +153,7 @@ def seed_all(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    model_parallel_cuda_manual_seed(seed, te_rng_tracker=te_rng_tracker, force_reset_rng=True)
 
 
 def layout() -> ParallelLayout:

@@ -39,6 +39,14 @@ from relax.backends.megatron.hf_weights import (
 )
 from relax.backends.megatron.layer_options import layer_fields, recompute_granularity, uses_te
 from relax.backends.megatron.logprobs import token_logprobs
+from relax.backends.megatron.megatron_options import (
+    ddp_fields,
+    optimizer_fields,
+    parallel_fields,
+    require_cuda,
+    scheduler_fields,
+    transformer_fields,
+)
 from relax.backends.megatron.model import build_gpt_model
 from relax.backends.megatron.optim import build_optimizer, build_scheduler, wrap_ddp
 from relax.backends.megatron.parallel import ParallelLayout, init_distributed, init_model_parallel
@@ -107,6 +115,9 @@ class TrainerSettings:
     # --use-routing-replay: MoE routers get Megatron's RouterReplay; `compute_logprobs_and_routes` records
     # each sample's top-k experts and `train_step` replays samples' `routed_experts` (see routing_replay.py).
     routing_replay: bool = False
+    # Megatron flags passed to Megatron-core's config objects as they are, (dest, value) of those set to a
+    # non-default value (relax.backends.megatron.megatron_options)
+    megatron_options: tuple[tuple[str, Any], ...] = ()
 
 
 def select_frozen(names: Sequence[str], trainable: Sequence[str], frozen: Sequence[str]) -> set[str]:
@@ -203,6 +214,7 @@ class MegatronTrainer:
 
     def __init__(self, arch: ModelArch, settings: TrainerSettings):
         apply_cpu_compat()
+        require_cuda(settings.megatron_options)
         if settings.cp > 1 and settings.pp > 1:
             raise NotImplementedError("context parallelism with pipeline parallelism is not supported by "
                                       "MegatronTrainer yet")
@@ -210,7 +222,8 @@ class MegatronTrainer:
             init_distributed(0, 1, "127.0.0.1", _free_port())
         self.settings = settings
         self.layout: ParallelLayout = init_model_parallel(
-            settings.tp, settings.pp, settings.cp, settings.ep, settings.etp, seed=settings.seed
+            settings.tp, settings.pp, settings.cp, settings.ep, settings.etp, seed=settings.seed,
+            **parallel_fields(settings.megatron_options),
         )
         if arch.vocab_size % settings.tp:
             arch = arch.with_vocab_multiple(settings.tp)
@@ -226,7 +239,8 @@ class MegatronTrainer:
             fp16=settings.fp16,
             sequence_parallel=settings.sequence_parallel,
             cp_comm_type=("all_gather" if settings.allgather_cp else "p2p") if settings.cp > 1 else None,
-            use_cpu_initialization=compute_device().type == "cpu",
+            **{"use_cpu_initialization": compute_device().type == "cpu",  # --use-cpu-initialization adds GPUs
+               **transformer_fields(settings.megatron_options, arch.is_moe)},
             **layer_fields(settings, uses_te(settings), arch.is_moe),
             **self._routing_replay_overrides(arch, settings),
         )
@@ -253,7 +267,8 @@ class MegatronTrainer:
             self.scheduler = None
             return
         self.model = wrap_ddp(
-            gpt, self.config, use_distributed_optimizer=settings.use_distributed_optimizer
+            gpt, self.config, use_distributed_optimizer=settings.use_distributed_optimizer,
+            **ddp_fields(settings.megatron_options),
         )
         self.optimizer = build_optimizer(
             self.model,
@@ -271,6 +286,7 @@ class MegatronTrainer:
             bf16=settings.bf16,
             fp16=settings.fp16,
             use_distributed_optimizer=settings.use_distributed_optimizer,
+            **optimizer_fields(settings.megatron_options),
         )
         self.scheduler = build_scheduler(
             self.optimizer,
@@ -281,6 +297,7 @@ class MegatronTrainer:
             lr_decay_iters=settings.lr_decay_iters,
             lr_warmup_init=settings.lr_warmup_init,
             weight_decay=settings.weight_decay,
+            **scheduler_fields(settings.megatron_options),
         )
         # Megatron's scheduler gives step 0 the warm-up's initial lr; start at step 1
         # so that the first update already uses lr_init + (lr - lr_init) / warmup.

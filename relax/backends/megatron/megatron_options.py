@@ -1,0 +1,101 @@
+"""Megatron flags passed to Megatron-core's config objects as they are (relax.config.megatron_options lists them):
+the fields of each object, from `TrainerSettings.megatron_options`."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+import torch
+
+from relax.config.megatron_options import (
+    DDP,
+    DDP_GPU,
+    FLAG_NAMES,
+    GPU_OPTIONS,
+    OPTIMIZER,
+    OPTIMIZER_GPU,
+    PARALLEL,
+    PARALLEL_GPU,
+    SCHEDULER,
+    TRANSFORMER,
+    TRANSFORMER_GPU,
+    TRANSFORMER_MOE,
+)
+
+# Megatron-LM's dtype names of the precision-aware optimizer's flags (its training script's map).
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8}
+_DTYPE_FLAGS = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+# Flags Megatron-LM parses as lists of one value per layer or per choice, that megatron-core 0.16 takes as a scalar.
+_SCALAR_OF_LIST = ("moe_aux_loss_coeff", "moe_router_load_balancing_type", "cp_comm_type")
+
+
+def _scalar(dest: str, value: Any) -> Any:
+    if dest in _SCALAR_OF_LIST and isinstance(value, (list, tuple)) and len(value) == 1:
+        return value[0]
+    return value
+
+
+def _pick(options: Iterable[tuple[str, Any]], names: Iterable[str]) -> dict[str, Any]:
+    names = set(names)
+    return {dest: _scalar(dest, value) for dest, value in options if dest in names}
+
+
+def require_cuda(options: Iterable[tuple[str, Any]]) -> None:
+    """Refuse the GPU-only options on a trainer rank without CUDA (relax.config.support_gpu says why)."""
+    gpu = sorted(dest for dest, _ in options if dest in GPU_OPTIONS)
+    if gpu and not torch.cuda.is_available():
+        names = [FLAG_NAMES.get(d, "--" + d.replace("_", "-")) for d in gpu]
+        raise ValueError(f"{', '.join(names)} need(s) a GPU and this trainer rank "
+                         "has none (relax.config.support_gpu says why); remove them to train on the CPU")
+
+
+def transformer_fields(options: Iterable[tuple[str, Any]], is_moe: bool) -> dict[str, Any]:
+    """TransformerConfig fields (`to_transformer_config(**fields)`)."""
+    options = tuple(options)
+    fields = _pick(options, TRANSFORMER | TRANSFORMER_GPU | (TRANSFORMER_MOE if is_moe else frozenset()))
+    if fields.get("cpu_offloading_num_layers"):
+        fields["cpu_offloading"] = True  # Megatron-LM: --cpu-offloading-num-layers > 0 switches offloading on
+    if "offload_modules" in fields:
+        fields["offload_modules"] = list(fields["offload_modules"])
+    return fields
+
+
+def optimizer_fields(options: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    """OptimizerConfig fields (`--no-weight-decay-cond-type apply_wd_to_qk_layernorm` is that field's other
+    spelling in Megatron-LM)."""
+    fields = _pick(options, OPTIMIZER | OPTIMIZER_GPU)
+    for name in _DTYPE_FLAGS:
+        if name in fields:
+            fields[name] = _DTYPES[fields[name]]
+    if dict(options).get("no_weight_decay_cond_type") == "apply_wd_to_qk_layernorm":
+        fields["apply_wd_to_qk_layernorm"] = True
+    return fields
+
+
+def ddp_fields(options: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    """DistributedDataParallelConfig fields."""
+    table = {**DDP, **DDP_GPU}
+    fields = {table[dest]: value for dest, value in _pick(options, table).items()}
+    if "grad_reduce_in_fp32" in fields:
+        fields["grad_reduce_in_fp32"] = not fields["grad_reduce_in_fp32"]
+    return fields
+
+
+def scheduler_fields(options: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    """The scheduler's settings by their flag names (`build_scheduler` turns them into Megatron's arguments)."""
+    return _pick(options, SCHEDULER | {"global_batch_size"})
+
+
+def parallel_fields(options: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    """`initialize_model_parallel` arguments (and te_rng_tracker, an argument of the RNG seeding)."""
+    fields = _pick(options, PARALLEL | PARALLEL_GPU)
+    if "use_gloo_process_groups" in fields:
+        fields["create_gloo_process_groups"] = fields.pop("use_gloo_process_groups")
+    for name in ("high_priority_stream_groups", "hierarchical_context_parallel_sizes"):
+        if name in fields:
+            fields[name] = list(fields[name])
+    return fields
+
+
+def option(options: Iterable[tuple[str, Any]], dest: str, default: Optional[Any] = None) -> Any:
+    return dict(options).get(dest, default)
