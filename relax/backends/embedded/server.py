@@ -7,7 +7,8 @@ Endpoints (request / response schemas follow SGLang's `http_server.py` and `io_s
 
 - POST /generate   `text` | `input_ids` (one prompt or a list), `sampling_params` (dict or list),
   `return_logprob`, `logprob_start_len`, `top_logprobs_num`, `rid`, `return_routed_experts` (also as
-  `custom_labels["return_routed_experts"]`; meta_info `routed_experts`, see `routing.py`). Answers
+  `custom_labels["return_routed_experts"]`; meta_info `routed_experts`, see `routing.py`),
+  `custom_labels["sampling_seeds"]` (comma-separated, one `sampling_seed` per prompt of a batch). Answers
   `{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
   "completion_tokens", "cached_tokens", "weight_version", "e2e_latency",
   ["output_token_logprobs": [[logprob, token_id, null], ...], "input_token_logprobs", ...]}}`,
@@ -126,6 +127,16 @@ def build_requests(engine: EmbeddedEngine, body: dict) -> tuple[list, bool]:
     labels = body.get("custom_labels") if isinstance(body.get("custom_labels"), dict) else {}
     wants_routes = str(labels.get("return_routed_experts", "")).lower() in ("1", "true")
     rre = _as_list(body.get("return_routed_experts") or wants_routes, n_prompts, "return_routed_experts")
+    # Relax's batched group requests (relax.rollout.generate.SEEDS_LABEL): each prompt's sampling_seed, where
+    # SGLang would take a list of sampling_params that sglang-router 0.3.2 refuses
+    seeds = labels.get("sampling_seeds")
+    if seeds is not None:
+        try:
+            seeds = [int(x) for x in str(seeds).split(",")]
+        except ValueError:
+            raise EngineError(f"custom_labels.sampling_seeds must be comma-separated integers, got {seeds!r}") from None
+        if len(seeds) != n_prompts:
+            raise EngineError(f"custom_labels.sampling_seeds has {len(seeds)} seeds for {n_prompts} prompts")
     rid = body.get("rid")
     reqs = []
     for i, prompt in enumerate(prompts):
@@ -133,6 +144,8 @@ def build_requests(engine: EmbeddedEngine, body: dict) -> tuple[list, bool]:
             base = SamplingParams.from_dict(sps[i])
         except (ValueError, TypeError) as exc:
             raise EngineError(str(exc)) from None
+        if seeds is not None:
+            base.sampling_seed = seeds[i]
         n = base.n
         if isinstance(rid, list):
             rid_i = rid[i]
@@ -144,6 +157,8 @@ def build_requests(engine: EmbeddedEngine, body: dict) -> tuple[list, bool]:
             is_batch = True
         for j in range(n):
             params = SamplingParams.from_dict(sps[i]) if j else base
+            if seeds is not None:
+                params.sampling_seed = seeds[i]
             if params.sampling_seed is not None and j:
                 params.sampling_seed += j
             this_rid = rid_i if (n == 1 or rid_i is None) else f"{rid_i}_{j}"
