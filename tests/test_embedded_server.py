@@ -249,3 +249,46 @@ def test_metrics_are_prometheus_text_with_sglangs_names(server):
     assert value(after, "sglang:num_requests_total") == value(before, "sglang:num_requests_total") + 1
     assert 0.0 <= value(after, "sglang:token_usage") <= 1.0
     assert requests.get(server.url + "/metrics", timeout=T).status_code == 401  # the run's key, like control calls
+
+
+def test_group_requests_of_one_turn_go_as_one_batch_with_each_groups_seeds(server, monkeypatch):
+    """relax.rollout.generate.generate_group: groups issued together go as one batched request whose prompts keep
+    their own seeds (custom_labels.sampling_seeds), so each answer is what the group alone would get."""
+    import asyncio
+
+    import aiohttp
+
+    from relax.data.sample import Sample
+    from relax.rollout import generate as G
+
+    sent = []
+    post = G.post_generate
+
+    async def counting(session, url, payload, **kw):
+        sent.append(len(payload["input_ids"]) if isinstance(payload["input_ids"][0], list) else 1)
+        return await post(session, url, payload, **kw)
+
+    monkeypatch.setattr(G, "post_generate", counting)
+    monkeypatch.setattr(G, "_ROLLOUT_SEED", 5)
+    sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 6}
+
+    def groups():
+        return [[Sample(index=g * 3 + j, group_index=g, prompt_tokens=[5, 6, 7 + g], rollout_step=0)
+                 for j in range(3)] for g in range(4)]
+
+    async def together():
+        async with aiohttp.ClientSession() as s:
+            return await asyncio.gather(*(G.generate_group(s, server.url, g, sampling) for g in groups()))
+
+    async def apart():
+        async with aiohttp.ClientSession() as s:
+            return [await G.generate_group(s, server.url, g, sampling) for g in groups()]
+
+    batched = asyncio.run(together())
+    assert sent == [4]
+    sent.clear()
+    alone = asyncio.run(apart())
+    assert sent == [1, 1, 1, 1]
+    assert [[(s.response_tokens, s.status) for s in g] for g in batched] == \
+        [[(s.response_tokens, s.status) for s in g] for g in alone]
+    assert batched[2][1].metadata["rid"].endswith("_2_1") and alone[2][1].metadata["rid"].endswith("_1")
