@@ -210,3 +210,49 @@ def test_moe_load_balancing_losses_change_the_router_gradients(tmp_path):
     plain = grads[()]
     assert not torch.allclose(plain, grads[("--moe-aux-loss-coeff", "0.5")])
     assert not torch.allclose(plain, grads[("--moe-z-loss-coeff", "0.5")])
+
+
+def test_process_switches_and_the_param_group_dump(tmp_path, monkeypatch):
+    import megatron.core.config as mcore_config
+    import megatron.core.jit as mcore_jit
+
+    ensure_single_process()
+    path = build_random_tiny_model(tmp_path / "m", "qwen2", seed=1)
+    dump = tmp_path / "groups.json"
+    _, settings = _settings(tmp_path, "--enable-experimental", "--disable-jit-fuser",
+                            "--dump-param-to-param-group-map", str(dump))
+    monkeypatch.setattr(mcore_config, "ENABLE_EXPERIMENTAL", False)
+    monkeypatch.setattr(mcore_jit, "jit_fuser", mcore_jit.jit_fuser)
+    hf_trainer(path, lr=1e-3, megatron_options=settings.megatron_options)
+    assert mcore_config.is_experimental_enabled()
+    assert mcore_jit.jit_fuser is mcore_jit.noop_decorator
+    assert dump.is_dir() and any(dump.iterdir())  # a torch.distributed.checkpoint of each parameter's group
+
+
+def test_no_save_rng_and_no_load_rng(tmp_path):
+    ensure_single_process()
+    path = build_random_tiny_model(tmp_path / "m", "qwen2", seed=1)
+    _, no_save = _settings(tmp_path, "--no-save-rng")
+    _, no_load = _settings(tmp_path, "--no-load-rng")
+    trainer = hf_trainer(path, lr=1e-3, megatron_options=no_save.megatron_options)
+    trainer.save_checkpoint(tmp_path / "ck")
+    # a checkpoint without RNG state asks for --no-load-rng, as Megatron-LM does
+    with pytest.raises(ValueError, match="--no-load-rng"):
+        hf_trainer(path, lr=1e-3).load_checkpoint(tmp_path / "ck")
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    assert hf_trainer(path, lr=1e-3, megatron_options=no_load.megatron_options).load_checkpoint(tmp_path / "ck") == 0
+    # building a trainer reseeds (Megatron's seeding); with --no-load-rng the load leaves that state alone
+    trainer2 = hf_trainer(path, lr=1e-3, megatron_options=no_load.megatron_options)
+    torch.manual_seed(7)
+    trainer2.load_checkpoint(tmp_path / "ck")
+    assert torch.equal(torch.rand(3), expected)
+    # saved with RNG (the default), loading restores the state it had at the save
+    with_rng = hf_trainer(path, lr=1e-3)
+    torch.manual_seed(11)
+    with_rng.save_checkpoint(tmp_path / "ck2")
+    after_save = torch.rand(3)
+    torch.manual_seed(99)
+    with_rng.load_checkpoint(tmp_path / "ck2")
+    assert torch.equal(torch.rand(3), after_save)

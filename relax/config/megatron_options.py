@@ -72,6 +72,11 @@ PARALLEL_GPU: frozenset[str] = frozenset({
     "hierarchical_context_parallel_sizes", "te_rng_tracker",
 })
 PARALLEL: frozenset[str] = frozenset({"use_gloo_process_groups"})
+# Process-wide Megatron switches Megatron-LM's initialisation applies (megatron.core.config.set_experimental_flag,
+# megatron.core.jit.disable_jit_fuser), and get_megatron_optimizer's dump of each parameter's group.
+# What a checkpoint holds and restores (relax.backends.megatron.checkpoint).
+CHECKPOINT: frozenset[str] = frozenset({"no_save_rng", "no_load_rng"})
+PROCESS: frozenset[str] = frozenset({"enable_experimental", "disable_jit_fuser", "dump_param_to_param_group_map"})
 
 # The --flag of each option whose name is not its dest's (for the messages of a trainer rank, which has no parser).
 FLAG_NAMES: dict[str, str] = {
@@ -80,7 +85,7 @@ FLAG_NAMES: dict[str, str] = {
 }
 GPU_OPTIONS: frozenset[str] = TRANSFORMER_GPU | OPTIMIZER_GPU | frozenset(DDP_GPU) | PARALLEL_GPU
 CPU_OPTIONS: frozenset[str] = (TRANSFORMER | TRANSFORMER_MOE | OPTIMIZER | frozenset(DDP) | SCHEDULER | PARALLEL
-                               | {"no_weight_decay_cond_type"})
+                               | PROCESS | CHECKPOINT | {"no_weight_decay_cond_type"})
 ALL_OPTIONS: frozenset[str] = GPU_OPTIONS | CPU_OPTIONS
 
 def _plain(value: Any) -> Any:
@@ -117,6 +122,11 @@ def options_from_config(config: Any) -> tuple[tuple[str, Any], ...]:
 # Megatron's help of each flag above (its Megatron-LM 0.17 parser, else the megatron-core 0.16 field's docstring),
 # with what Relax counts differently; relax.config.help_text adds the GPU-only reason.
 OPTION_HELP: dict[str, str] = {
+    "no_save_rng": "Do not save current rng state.",
+    "no_load_rng": "Do not load rng state when loading checkpoint.",
+    "enable_experimental": "Enable experimental features.",
+    "disable_jit_fuser": "Disable the JIT fuser.",
+    "dump_param_to_param_group_map": "Path to a file to dump parameter to param group map.",
     "align_grad_reduce": (
         "If not set, all PP stages will launch gradient reduces simultaneously. Otherwise, each PP stage will "
         "independently launch as needed."),

@@ -81,6 +81,16 @@ NO_EFFECT_REASONS: dict[str, str] = {
     "async_ckpt_cpu_priority": _CKPT + "; --async-save writes them from a background thread",
     "async_ckpt_io_priority": _CKPT + "; --async-save writes them from a background thread",
     "dist_ckpt_workers": _CKPT,
+    # Megatron-LM's non-persistent (local or global) checkpoints for fast restarts, and the replication of local ones:
+    # Relax does not write them; resuming is from --save's checkpoints (every --save-interval rollout steps)
+    "non_persistent_save_interval": _CKPT + "; it writes no non-persistent checkpoints (resume from --save)",
+    "non_persistent_ckpt_type": _CKPT + "; it writes no non-persistent checkpoints (resume from --save)",
+    "non_persistent_global_ckpt_dir": _CKPT + "; it writes no non-persistent checkpoints (resume from --save)",
+    "non_persistent_local_ckpt_dir": _CKPT + "; it writes no non-persistent checkpoints (resume from --save)",
+    "non_persistent_local_ckpt_algo": _CKPT + "; it writes no non-persistent checkpoints (resume from --save)",
+    "replication": _CKPT + "; it writes no local non-persistent checkpoints to replicate",
+    "replication_jump": _CKPT + "; it writes no local non-persistent checkpoints to replicate",
+    "replication_factor": _CKPT + "; it writes no local non-persistent checkpoints to replicate",
     # deprecated in Megatron itself, which says they have no effect
     "use_dist_ckpt_deprecated": "deprecated in Megatron, where it has no effect either; " + _CKPT,
     "dist_ckpt_format_deprecated": "deprecated in Megatron, where it has no effect either; " + _CKPT,
@@ -107,6 +117,8 @@ NO_EFFECT_REASONS: dict[str, str] = {
     "moe_pad_experts_for_cuda_graph_inference": _INFERENCE,
     # other model kinds' switches
     "bert_binary_head": "it is for BERT models; Relax builds decoder-only GPT models",
+    "use_flash_attn": ("megatron-core reads no such setting (Megatron-LM 0.17 only checks it against "
+                       "--deterministic-mode); the attention kernel is --attention-backend's"),
     "moe_enable_routing_replay": ("Relax switches Megatron's routing replay on itself with --use-routing-replay "
                                   "(or --use-rollout-routing-replay), which also record and replay the routes"),
     # Relax's own (reference) flags that describe something Relax decides by itself
@@ -138,12 +150,18 @@ MEGATRON_FEATURES: frozenset[str] = frozenset(ALWAYS_SO)
 
 _TP_OVERLAP = ("Transformer Engine's userbuffers, which Megatron-LM's training script sets up; Relax's trainer "
                "does not (GPU)")
-_DDP = ("options of Megatron's DistributedDataParallel / FSDP that the trainer does not pass "
-        "(relax.backends.megatron.optim.wrap_ddp builds one fixed configuration)")
+_DDP = ("Megatron's and torch's FSDP wrappers, the overlapped param gather (the engines would read weights before "
+        "the gather ends), partial distributed optimizers and process-group options the trainer does not pass yet "
+        "(the DDP buckets and the overlapped grad reduce are built)")
 
 # group -> (why it is not built, its dests). Flags of the context-parallel work (context_parallel_size, cp_comm_type,
 # ...) stay here until that work adds them to IMPLEMENTED; `refused_groups` leaves out whatever is built by then.
 NOT_BUILT: dict[str, tuple[str, frozenset[str]]] = {
+    "deprecated: Megatron-LM refuses them too": (
+        "Megatron-LM's own argument check stops on them (--batch-size: use --micro-batch-size; --warmup: "
+        "--lr-warmup-fraction; --model-parallel-size: --tensor-model-parallel-size; --checkpoint-activations: "
+        "--recompute-activations or --recompute-granularity)",
+        frozenset({"batch_size", "warmup", "model_parallel_size", "checkpoint_activations"})),
     "architecture features no supported model family has": (
         "Relax builds Llama, Qwen2, Qwen3 and Qwen3-MoE shapes (relax.backends.megatron.arch); the HF export and "
         "the rollout engines need one of them",
@@ -168,15 +186,19 @@ NOT_BUILT: dict[str, tuple[str, frozenset[str]]] = {
             "use_kitchen_attention", "kitchen_attention_backend",
         })),
     "model initialisation": (
-        "the trainer initialises on the CPU on CPU ranks and on the device otherwise, with Megatron's defaults; "
-        "weights normally come from --hf-checkpoint / --load",
+        "not passed yet (--init-method-std and the other init settings are built): xavier init replaces Megatron's "
+        "init functions, data-parallel random init needs per-rank seeds and a broadcast, meta-device init needs "
+        "Megatron FSDP to materialise the weights",
         frozenset({
             "perform_initialization", "use_cpu_initialization", "init_method_std", "embedding_init_method_std",
             "init_model_with_meta_device", "init_method_xavier_uniform", "data_parallel_random_init",
         })),
-    "MoE routing and token dropping": (
-        "the routers are built without load-balancing losses, capacity or token dropping (relax.backends.megatron."
-        "arch): these change the loss or which tokens reach an expert",
+    "MoE dispatchers, overlap and upcycling": (
+        "DeepEP / HybridEP need the flex token dispatcher, and Relax runs the all-to-all one (the only one for "
+        "micro-batches of varying length); the expert-parallel overlap and delayed wgrad need Megatron's combined "
+        "1F1B schedule, whose forward step returns a schedule plan that Relax's does not; shared-expert overlap "
+        "needs shared experts; upcycling converts a dense checkpoint in Megatron-LM's training script (the load-"
+        "balancing losses, capacity and token dropping are built)",
         frozenset({
             "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_input_jitter_eps",
             "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity", "moe_token_drop_policy",
@@ -191,12 +213,12 @@ NOT_BUILT: dict[str, tuple[str, frozenset[str]]] = {
             "pipeline_model_parallel_comm_backend", "use_ring_exchange_p2p", "overlap_p2p_comm_warmup_flush",
             "microbatch_group_size_per_vp_stage", "account_for_embedding_in_pipeline_split",
             "account_for_loss_in_pipeline_split", "decoder_first_pipeline_num_layers",
-            "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout", "model_parallel_size",
-            "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+            "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout", "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
             "defer_embedding_wgrad_compute", "wgrad_deferral_limit",
         })),
-    "context parallelism (being built separately)": (
-        "context parallelism is being built (relax.backends.megatron.context_parallel)",
+    "dynamic context parallelism": (
+        "Megatron's hybrid (dynamic) context parallelism packs sequences per rank in its own data path; Relax's "
+        "padded micro-batches do not use it (fixed --context-parallel-size is built)",
         frozenset({
             "context_parallel_size", "hierarchical_context_parallel_sizes", "max_seqlen_per_dp_cp_rank",
             "hybrid_context_parallel", "cp_comm_type",
@@ -223,32 +245,31 @@ NOT_BUILT: dict[str, tuple[str, frozenset[str]]] = {
             "high_priority_stream_groups", "nccl_communicator_config_path", "distributed_timeout_seconds_after_init",
             "fake_process_group",
         })),
-    "fp8 / fp4 and other Transformer Engine or CUDA settings": (
-        "GPU features whose settings are more than on/off (fp8/fp4 recipes, ...) or live outside Megatron's config "
-        "objects; the trainer does not pass them to Megatron yet, so they are refused on every machine rather "
-        "than accepted on a GPU and ignored",
+    "quantization recipes from files or factories": (
+        "fp8/fp4 quantizers from a Python factory or a Transformer Engine YAML recipe, which Megatron-LM's "
+        "training script loads; the trainer does not load them yet (the fp8/fp4 flags themselves are GPU-only)",
         frozenset({
             "fp8", "fp8_recipe", "fp8_quantizer_factory", "fp8_margin", "fp8_interval", "fp8_amax_history_len",
             "fp8_amax_compute_algo", "fp8_wgrad", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
             "num_layers_at_end_in_bf16", "fp4", "fp4_recipe", "fp4_param", "fp4_quantizer_factory", "fp8_param_gather",
             "te_precision_config_file", "reuse_grad_buf_for_mxfp8_param_ag", "keep_fp8_transpose_cache",
-            "use_te_activation_func", "batch_invariant_mode", "use_flash_attn", "disable_jit_fuser", "te_rng_tracker",
+            "use_te_activation_func", "batch_invariant_mode", "disable_jit_fuser", "te_rng_tracker",
         })),
-    "CUDA graphs and activation offloading": (
-        "CUDA graphs need fixed shapes (Relax's micro-batches vary in length); activation offloading is not passed",
+    "CUDA graphs": (
+        "CUDA graphs need fixed shapes (Relax's micro-batches vary in length)",
         frozenset({
             "enable_cuda_graph", "cuda_graph_warmup_steps", "external_cuda_graph", "cuda_graph_impl",
             "cpu_offloading_num_layers", "fine_grained_activation_offloading", "offload_modules",
             "min_offloaded_tensor_size", "clone_scatter_output_in_embedding", "distribute_saved_activations",
         })),
-    "optimizer, learning-rate and loss-scale options": (
-        "the trainer builds Megatron's optimizer and scheduler from the flags Relax lists as built; these would change "
-        "the update and are not passed yet",
+    "muon optimizer and QK-clip": (
+        "megatron-core 0.16.1's get_megatron_optimizer builds adam and sgd only (--optimizer muon needs a newer "
+        "Megatron); the learning-rate, loss-scale and weight-decay options are built",
         frozenset({
             "lr_wsd_decay_style", "lr_decay_samples", "lr_wsd_decay_iters", "lr_wsd_decay_samples",
             "lr_warmup_fraction", "lr_warmup_samples", "override_opt_param_scheduler",
             "use_checkpoint_opt_param_scheduler", "start_weight_decay", "end_weight_decay", "weight_decay_incr_style",
-            "warmup", "decoupled_lr", "decoupled_min_lr", "apply_wd_to_qk_layernorm", "no_weight_decay_cond_type",
+            "decoupled_lr", "decoupled_min_lr", "apply_wd_to_qk_layernorm", "no_weight_decay_cond_type",
             "muon_momentum", "muon_split_qkv", "muon_use_nesterov", "muon_scale_mode", "muon_fp32_matmul_prec",
             "muon_num_ns_steps", "muon_tp_mode", "muon_extra_scale_factor", "qk_clip", "qk_clip_alpha",
             "qk_clip_threshold", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
@@ -259,10 +280,10 @@ NOT_BUILT: dict[str, tuple[str, frozenset[str]]] = {
     "batch schedule and run control": (
         "they change which samples are trained or when the run stops, and Relax's loop has no counterpart yet",
         frozenset({
-            "rampup_batch_size", "decrease_batch_size_if_needed", "batch_size", "iterations_to_skip",
+            "rampup_batch_size", "decrease_batch_size_if_needed", "iterations_to_skip",
             "exit_duration_in_mins", "exit_signal_handler", "exit_signal", "exit_signal_handler_for_dataloader",
             "exit_signal_handler_for_training", "check_weight_hash_across_dp_replicas_interval",
-            "result_rejected_tracker_filename", "checkpoint_activations", "flight_recorder_dump_path",
+            "result_rejected_tracker_filename", "flight_recorder_dump_path",
             "flight_recorder_trace_buffer_size", "flight_recorder_dump_on_timeout",
             "flight_recorder_include_stack_trace", "flight_recorder_include_only_active",
             "flight_recorder_extra_dump_on_exec", "yaml_cfg", "enable_experimental",
@@ -272,11 +293,9 @@ NOT_BUILT: dict[str, tuple[str, frozenset[str]]] = {
         "optimizer, scheduler and RNG state",
         frozenset({
             "save_wgrads_interval", "save_dgrads_interval", "save_retain_interval", "load_main_params_from_ckpt",
-            "non_persistent_save_interval", "non_persistent_ckpt_type", "non_persistent_global_ckpt_dir",
-            "non_persistent_local_ckpt_dir", "non_persistent_local_ckpt_algo", "finetune", "pretrained_checkpoint",
+            "finetune", "pretrained_checkpoint",
             "ckpt_step", "use_checkpoint_args", "use_mp_args_from_checkpoint_args", "exit_on_missing_checkpoint",
-            "ckpt_convert_format", "ckpt_convert_save", "ckpt_convert_update_legacy_dist_opt_format", "replication",
-            "replication_jump", "replication_factor", "no_save_rng", "no_load_rng",
+            "ckpt_convert_format", "ckpt_convert_save", "ckpt_convert_update_legacy_dist_opt_format", "no_save_rng", "no_load_rng",
         })),
 }
 

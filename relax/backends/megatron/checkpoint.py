@@ -40,6 +40,7 @@ from relax.backends.megatron.checkpoint_layout import (
 )
 from relax.backends.megatron.cpu_compat import apply_cpu_compat
 from relax.backends.megatron.hf_weights import unwrap_model
+from relax.backends.megatron.megatron_options import option
 from relax.backends.megatron.parallel import ParallelLayout
 from relax.weights.sync import _unshared, copy_model_files
 
@@ -212,11 +213,22 @@ def _atomic_torch_save(obj: Any, path: Path) -> None:
     tmp.replace(path)
 
 
-def rank_state(model, optimizer) -> dict[str, Any]:
-    """What a rank's file holds: its model shard, optimizer state (None without one) and RNG."""
+def rank_state(model, optimizer, save_rng: bool = True) -> dict[str, Any]:
+    """What a rank's file holds: its model shard, optimizer state (None without one) and RNG (None with
+    --no-save-rng)."""
     return {"model": unwrap_model(model).state_dict(),
             "optimizer": optimizer_state(optimizer) if optimizer is not None else None,
-            "rng": rng_state()}
+            "rng": rng_state() if save_rng else None}
+
+
+def restore_rng(state: dict[str, Any], path: Path, load_rng: bool = True) -> None:
+    """Set the RNG state a rank's file holds; --no-load-rng (`load_rng=False`) keeps the current one. A checkpoint
+    saved with --no-save-rng has none, and loading it asks for --no-load-rng, as Megatron-LM does."""
+    if not load_rng:
+        return
+    if state.get("rng") is None:
+        raise ValueError(f"{path} holds no RNG state (saved with --no-save-rng); load it with --no-load-rng")
+    set_rng_state(state["rng"])
 
 
 def checkpoint_meta(iteration: int, layout: ParallelLayout, extra_meta: dict[str, Any] | None = None) -> dict:
@@ -249,7 +261,8 @@ def snapshot_rank(trainer: Any, *, save_optim: bool, hf: bool = False) -> RankSn
     apply_cpu_compat()
     rank = dist.get_rank()
     optimizer = trainer.optimizer if save_optim else None
-    snap = RankSnapshot(rank=rank, state=cpu_copy(rank_state(trainer.model, optimizer)))
+    save_rng = not option(trainer.settings.megatron_options, "no_save_rng", False)
+    snap = RankSnapshot(rank=rank, state=cpu_copy(rank_state(trainer.model, optimizer, save_rng)))
     if rank == 0:
         if trainer.scheduler is not None:
             snap.scheduler = cpu_copy(trainer.scheduler.state_dict())
@@ -303,9 +316,10 @@ def save_checkpoint(
     iteration: int,
     layout: ParallelLayout,
     extra_meta: dict[str, Any] | None = None,
+    save_rng: bool = True,
 ) -> Path:
     """Write a checkpoint to `path` (collective over all ranks); `optimizer`/`scheduler` may be None
-    (a forward-only model)."""
+    (a forward-only model); `save_rng=False`: --no-save-rng."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     rank = dist.get_rank()
@@ -314,7 +328,7 @@ def save_checkpoint(
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
-    snap = RankSnapshot(rank=rank, state=rank_state(model, optimizer),
+    snap = RankSnapshot(rank=rank, state=rank_state(model, optimizer, save_rng),
                         scheduler=scheduler.state_dict() if rank == 0 and scheduler is not None else None)
     write_rank(snap, tmp)
     dist.barrier()
@@ -334,8 +348,9 @@ def save_checkpoint(
 
 # ============================================================================ reading
 @torch.no_grad()  # Megatron copies into views of parameters
-def load_checkpoint(path: str | Path, *, model, optimizer, scheduler, layout: ParallelLayout) -> int:
-    """Restore a checkpoint written by `save_checkpoint`; returns its iteration."""
+def load_checkpoint(path: str | Path, *, model, optimizer, scheduler, layout: ParallelLayout,
+                    load_rng: bool = True) -> int:
+    """Restore a checkpoint written by `save_checkpoint`; returns its iteration. `load_rng=False`: --no-load-rng."""
     path = Path(path)
     meta = read_meta(path)
     _check_meta(meta, layout)
@@ -350,7 +365,7 @@ def load_checkpoint(path: str | Path, *, model, optimizer, scheduler, layout: Pa
         # Megatron's scheduler adds the saved step count to its current one.
         scheduler.num_steps = 0
         scheduler.load_state_dict(load_state_file(path / SCHEDULER_FILE, meta.get("iteration")))
-    set_rng_state(state["rng"])
+    restore_rng(state, path, load_rng)
     dist.barrier()
     return int(meta["iteration"])
 
@@ -373,6 +388,6 @@ def load_weights_only(trainer: Any, path: str | Path) -> int:
     trainer.load_weights(str(path))
     meta = read_meta(path)
     state = load_state_file(path / rank_file(dist.get_rank()), meta.get("iteration"))
-    set_rng_state(state["rng"])
+    restore_rng(state, path, not option(trainer.settings.megatron_options, "no_load_rng", False))
     trainer.iteration = int(meta["iteration"])
     return trainer.iteration

@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any, Iterable, Optional
 
 import torch
+from megatron.core.config import set_experimental_flag
+from megatron.core.jit import disable_jit_fuser
 
 from relax.config.megatron_options import (
     DDP,
@@ -14,6 +16,7 @@ from relax.config.megatron_options import (
     GPU_OPTIONS,
     OPTIMIZER,
     OPTIMIZER_GPU,
+    PROCESS,
     PARALLEL,
     PARALLEL_GPU,
     SCHEDULER,
@@ -99,3 +102,14 @@ def parallel_fields(options: Iterable[tuple[str, Any]]) -> dict[str, Any]:
 
 def option(options: Iterable[tuple[str, Any]], dest: str, default: Optional[Any] = None) -> Any:
     return dict(options).get(dest, default)
+
+
+def apply_process_options(options: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    """Apply the process-wide switches as Megatron-LM's initialisation does (--enable-experimental,
+    --disable-jit-fuser); returns get_megatron_optimizer's own arguments (--dump-param-to-param-group-map)."""
+    fields = _pick(options, PROCESS)
+    if fields.get("enable_experimental"):
+        set_experimental_flag(True)
+    if fields.get("disable_jit_fuser"):
+        disable_jit_fuser()
+    return {k: v for k, v in fields.items() if k == "dump_param_to_param_group_map"}

@@ -67,6 +67,7 @@ def build_optimizer(
     optimizer: str = "adam",
     sgd_momentum: float = 0.9,
     gpu_features: tuple[str, ...] = (),
+    dump_param_to_param_group_map: Optional[str] = None,
     **optimizer_overrides: Any,
 ):
     """`get_megatron_optimizer` with `optimizer` (adam: AdamW with decoupled weight decay, as Megatron; sgd:
@@ -96,7 +97,8 @@ def build_optimizer(
         use_distributed_optimizer=use_distributed_optimizer,
         **{"initial_loss_scale": initial_loss_scale, **optimizer_overrides},
     )
-    optimizer = get_megatron_optimizer(config, [ddp_model])
+    dump = {} if dump_param_to_param_group_map is None else {"dump_param_to_param_group_map": dump_param_to_param_group_map}
+    optimizer = get_megatron_optimizer(config, [ddp_model], **dump)
     transformer_config.grad_scale_func = optimizer.scale_loss
     return optimizer
 

@@ -40,6 +40,8 @@ from relax.backends.megatron.hf_weights import (
 from relax.backends.megatron.layer_options import layer_fields, recompute_granularity, uses_te
 from relax.backends.megatron.logprobs import token_logprobs
 from relax.backends.megatron.megatron_options import (
+    apply_process_options,
+    option,
     ddp_fields,
     optimizer_fields,
     parallel_fields,
@@ -215,6 +217,7 @@ class MegatronTrainer:
     def __init__(self, arch: ModelArch, settings: TrainerSettings):
         apply_cpu_compat()
         require_cuda(settings.megatron_options)
+        optimizer_call = apply_process_options(settings.megatron_options)  # before the model is built
         if settings.cp > 1 and settings.pp > 1:
             raise NotImplementedError("context parallelism with pipeline parallelism is not supported by "
                                       "MegatronTrainer yet")
@@ -287,6 +290,7 @@ class MegatronTrainer:
             fp16=settings.fp16,
             use_distributed_optimizer=settings.use_distributed_optimizer,
             **optimizer_fields(settings.megatron_options),
+            **optimizer_call,
         )
         self.scheduler = build_scheduler(
             self.optimizer,
@@ -763,6 +767,7 @@ class MegatronTrainer:
             iteration=self.iteration,
             layout=self.layout,
             extra_meta={"arch": asdict(self.arch), "settings": asdict(self.settings)},
+            save_rng=not option(self.settings.megatron_options, "no_save_rng", False),
         )
 
     def load_checkpoint(self, path: str | Path) -> int:
@@ -777,6 +782,7 @@ class MegatronTrainer:
             optimizer=self.optimizer,
             scheduler=self.scheduler,
             layout=self.layout,
+            load_rng=not option(self.settings.megatron_options, "no_load_rng", False),
         )
         return self.iteration
 
