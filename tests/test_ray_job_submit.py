@@ -30,6 +30,7 @@ from pathlib import Path
 import psutil
 import pytest
 import requests
+from test_console import assert_console_clean
 
 # The cluster tests are whole runs (Ray, trainer, engines): marked e2e one by one (deselect with -m 'not e2e');
 # the script's own argument handling below is a unit test.
@@ -247,6 +248,8 @@ def test_submitted_run_spans_both_nodes_and_succeeds(cluster, tmp_path):
         f"job {info['status']} ({info.get('message')}); submit said: {proc.stdout[-3000:]}{proc.stderr[-2000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "step" in r] == [0]
+    # the driver's console (the job's log) holds Relax's lines only, the libraries' output is in relax.log
+    assert_console_clean(_job_logs(cluster, "relax-two-nodes"), (out / "logs" / "relax.log").read_text())
 
     actors = cluster.state("actors", job_id=info["job_id"])
     nodes = cluster.nodes()

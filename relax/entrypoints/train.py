@@ -3,6 +3,10 @@
 Around the controller's run: `--notify-urls` messages (started before, finished or failed after, from its exit
 code; a failure's message is the first ERROR line the run logged), the `--use-clearml` target check, which
 has to happen before Ray starts, and the secrets of the command line masked in `sys.argv` once it is parsed.
+
+The console shows Relax's lines only (`relax.observability.console`): Python warnings are held from the first
+line of `main` (Megatron warns while `relax.config` imports it) and written to the run's log file once it is
+known; Ray's and the workers' output is routed there too, around the whole run.
 """
 
 from __future__ import annotations
@@ -11,14 +15,24 @@ import logging
 import sys
 from pathlib import Path
 
+from relax.observability.console import HeldWarnings, hold_warnings, route
+
 
 def main(argv: list[str] | None = None) -> int:
+    held = hold_warnings()
+    try:
+        return _main(argv, held)
+    finally:
+        held.restore()  # a dry run or a config error drops them: there is no log file to write them to
+
+
+def _main(argv: list[str] | None, held: HeldWarnings) -> int:
     from relax.config import ConfigError, parse_config
     from relax.config.explain import explain
     from relax.config.redact import redact_command
     from relax.config.support import no_effect_flags, no_effect_warning, require_supported
     from relax.config.support_gpu import require_gpu_for
-    from relax.observability.notify import FirstError, Notifier, last_step_summary
+    from relax.observability.notify import Notifier
 
     try:
         config = parse_config(argv)
@@ -39,11 +53,24 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"relax-train: error: {exc}", file=sys.stderr)
         return 2
-    from relax.core.controller import run_controller
-
     # The config is parsed: from here on the process's own argv names secrets nowhere. ClearML records the
     # command line of a `python -m` run, Ray the driver's; both read sys.argv.
     sys.argv[:] = redact_command(sys.argv)
+    out = Path(config.output_dir)
+    out.mkdir(mode=0o700, parents=True, exist_ok=True)  # owner-only, as run_controller keeps it
+    # Routed before the controller's imports: TransferQueue gives its loggers a console handler of their own
+    # when the root logger has none at import time.
+    with route(out / "logs" / "relax.log", held) as output:
+        from relax.core.controller import run_controller
+        from relax.observability.ray_console import route_ray_output
+
+        with route_ray_output(output):
+            return _run(config, notifier, run_controller)
+
+
+def _run(config, notifier, run_controller) -> int:
+    from relax.observability.notify import FirstError, last_step_summary
+
     first_error = FirstError()
     relax_log = logging.getLogger("relax")
     relax_log.addHandler(first_error)

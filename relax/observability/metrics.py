@@ -33,6 +33,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from relax.observability.console import clear_progress
+
 collapse_log = logging.getLogger("relax.collapse")
 ENTROPY_FLOOR = 0.05  # nats per token; the collapsed embedded default sat at 0.04 (reward 0)
 SOLVED_REWARD = 0.9  # at or above this mean reward a low entropy is convergence, not collapse
@@ -87,6 +89,7 @@ class MetricsWriter:
             if self.clearml is not None:
                 self.clearml.log(step, values)
         shown = " ".join(f"{k.split('/')[-1]}={record[k]:.4g}" for k in _STDOUT_KEYS if isinstance(record.get(k), float))
+        clear_progress()  # a rollout bar drawn in place on the terminal would run into the step line
         print(f"[relax] step {step}: {shown}", file=self._stream, flush=True)
 
     def close(self) -> None:
