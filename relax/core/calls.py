@@ -6,6 +6,8 @@
   naming every rank that has not answered.
 - `run_bounded`: the same for a synchronous call made on the driver (data plane, auxiliary role groups,
   checkpoint saves), run in a daemon thread.
+- `set_watch`: a check run between the slices of every such wait (the HealthManager's heartbeats,
+  relax.core.health), so that a silent rank ends the wait by name long before the call's deadline.
 - `stop_processes`: at shutdown, whatever the run started that is still there (a SIGSTOPped engine cannot act
   on its parent's death) gets SIGCONT and SIGTERM, then SIGKILL.
 """
@@ -29,6 +31,21 @@ trace_log = logging.getLogger("relax.trace")
 
 POLL_S = 0.25  # how often a wait wakes up: the latency of SIGTERM/SIGINT while a call is running
 
+# `watch(calls)` raises a RoleFailure when a role is known to be dead or hung (None: nothing watches). One per
+# driver process: the run's controller sets it for an attempt and clears it before its shutdown waits.
+_watch: Callable[[list[Call]], None] | None = None
+
+
+def set_watch(watch: Callable[[list[Call]], None] | None) -> None:
+    global _watch
+    _watch = watch
+
+
+def _check_watch(calls: list[Call]) -> None:
+    watch = _watch
+    if watch is not None:
+        watch(calls)
+
 
 def wait_all(refs: Sequence[Any], calls: Sequence[Call], *, deadline_s: float | None, flag: str) -> list[Any]:
     """Results of `refs` (Ray object refs, `calls[i]` describing refs[i]) in order.
@@ -51,6 +68,8 @@ def wait_all(refs: Sequence[Any], calls: Sequence[Call], *, deadline_s: float | 
         if pending and deadline_s is not None and time.monotonic() - start > deadline_s:
             late = [calls[index[r]] for r in pending]
             raise RoleFailure(late[0], timeout_s=deadline_s, flag=flag, waiting=late)
+        if pending:
+            _check_watch([calls[index[r]] for r in pending])
     return results
 
 
@@ -73,6 +92,8 @@ def run_bounded(fn: Callable[[], Any], call: Call, *, deadline_s: float | None, 
         thread.join(POLL_S)
         if thread.is_alive() and deadline_s is not None and time.monotonic() - start > deadline_s:
             raise RoleFailure(call, timeout_s=deadline_s, flag=flag)
+        if thread.is_alive():
+            _check_watch([call])
     if "error" in box:
         error = box["error"]
         if isinstance(error, RoleFailure):

@@ -1,0 +1,224 @@
+"""The HealthManager (--use-health-check): heartbeats of every Megatron rank, so that a hung rank is told apart
+from a dead one and found within --heartbeat-timeout instead of --train-step-timeout.
+
+* Worker side: each Megatron rank (trainer, reference, teacher, critic: `relax.roles.megatron_rank.MegatronRank`)
+  starts `start_heartbeat(self)` in its constructor: a daemon thread of its own that sends (role, rank, pid,
+  node) to the run's `HeartbeatBoard` every --heartbeat-interval. It runs whatever the rank's main thread is
+  doing, so a rank stuck in a call keeps beating, and a rank that stops beating is a stopped (SIGSTOP, frozen)
+  or dead process.
+* Board: a small Ray actor (no CPU share) that records when each rank last beat, by its own clock. Its name
+  is carried in the config's meta (`health_board`), a new one per attempt of the run, so that a rank of an
+  earlier attempt can never be mistaken for one of the current attempt.
+* Driver side: `HealthManager` polls the board from a thread and, through `relax.core.calls.set_watch`, every
+  bounded wait of the controller (`wait_all`, `run_bounded`) checks it between slices: a rank silent for longer
+  than --heartbeat-timeout ends the wait with a `RoleFailure` naming the role, rank, node and pid, the step and
+  the call in progress, and what the process is (stopped: hung; gone: dead; running but silent), the same
+  console line as every other failed call (relax.core.deadlines). A rank killed outright is usually reported
+  sooner by Ray itself (the call raises ActorDiedError); either way the restart ladder of
+  `relax.core.health_restart` decides what happens next.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+from typing import Any, Optional
+
+import psutil
+import ray
+
+from relax.config.errors import ConfigError
+from relax.core.deadlines import Call, RoleFailure
+
+logger = logging.getLogger("relax")
+BOARD_META = "health_board"  # config.meta key: the name of the attempt's HeartbeatBoard actor
+LOOKUP_S = 60.0  # how long a rank looks for the board (it is created before the ranks, normally found at once)
+
+
+class WorkerSilent(RuntimeError):
+    """The cause of a `RoleFailure` for a rank whose heartbeats stopped."""
+
+
+@ray.remote(num_cpus=0)
+class HeartbeatBoard:
+    """When each (role, rank) last beat, by this actor's monotonic clock, with its pid and node."""
+
+    def __init__(self):
+        self.seen: dict[tuple[str, int], dict[str, Any]] = {}
+
+    def beat(self, role: str, rank: int, pid: int, node: str) -> None:
+        self.seen[(role, rank)] = {"role": role, "rank": rank, "pid": pid, "node": node, "t": time.monotonic()}
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        return [{**entry, "age_s": now - entry["t"]} for entry in self.seen.values()]
+
+
+# ============================================================================ worker side
+def _role_of(worker: Any) -> str:
+    # ReferenceWorker sets `role` ("reference" or "teacher") after the base constructor has run: read it per beat.
+    return getattr(worker, "role", None) or type(worker).__name__.replace("Worker", "").lower()
+
+
+def start_heartbeat(worker: Any) -> Optional[threading.Thread]:
+    """Start the heartbeat thread of a Megatron rank (`worker.config`, `worker.rank`) when the run has
+    --use-health-check; None otherwise."""
+    config = worker.config
+    name = config.meta.get(BOARD_META) if config.use_health_check else None
+    if not name:
+        return None
+    interval = float(config.heartbeat_interval)
+    node = ray.util.get_node_ip_address()
+    pid = os.getpid()
+
+    def run() -> None:
+        board = None
+        deadline = time.monotonic() + LOOKUP_S
+        while board is None:
+            try:
+                board = ray.get_actor(name)
+            except ValueError:  # not registered yet
+                if time.monotonic() > deadline:
+                    logger.warning("heartbeat: no board %s after %.0f s; this rank sends none", name, LOOKUP_S)
+                    return
+                time.sleep(0.2)
+        while True:
+            try:
+                board.beat.remote(_role_of(worker), worker.rank, pid, node)
+            except Exception:  # the board is gone: the attempt is over
+                return
+            time.sleep(interval)
+
+    thread = threading.Thread(target=run, name="relax-heartbeat", daemon=True)
+    thread.start()
+    return thread
+
+
+# ============================================================================ driver side
+def new_board_name() -> str:
+    return f"relax-health-{uuid.uuid4().hex[:12]}"
+
+
+def process_state(pid: int, node: str, here: str) -> str:
+    """What a silent rank's process is, as a clause: only a process on this node can be looked at."""
+    if node != here:
+        return f"pid {pid} on {node} (another node: dead or hung)"
+    try:
+        proc = psutil.Process(pid)
+        status = proc.status()
+    except psutil.NoSuchProcess:
+        return f"process {pid} is gone (dead)"
+    except psutil.Error:
+        return f"process {pid} cannot be inspected"
+    if status == psutil.STATUS_STOPPED:
+        return f"process {pid} is stopped (hung)"
+    if status == psutil.STATUS_ZOMBIE:
+        return f"process {pid} has exited (dead)"
+    return f"process {pid} is {status} but silent (hung)"
+
+
+def silent_entries(latest: list[dict[str, Any]], since_poll_s: float, timeout_s: float) -> list[dict[str, Any]]:
+    """Board entries (with `age_s` as of a poll `since_poll_s` ago) silent for longer than `timeout_s`, with
+    their `age_s` brought up to now."""
+    aged = [{**e, "age_s": e["age_s"] + since_poll_s} for e in latest]
+    return [e for e in aged if e["age_s"] > timeout_s]
+
+
+def silent_failure(entry: dict[str, Any], timeout_s: float, here: str, calls: list[Call]) -> RoleFailure:
+    """The failure of a silent rank: its own call among `calls` (those still running), else a heartbeat clause
+    at the step of the call the driver waits for."""
+    state = process_state(entry["pid"], entry["node"], here)
+    cause = WorkerSilent(f"no heartbeat for {entry['age_s']:.1f} s (--heartbeat-timeout {timeout_s:g}): {state}")
+    mine = [c for c in calls if c.role == entry["role"] and c.rank == entry["rank"]]
+    if mine:
+        return RoleFailure(mine[0], cause)
+    action = f"heartbeat (while waiting for {calls[0].action})" if calls else "heartbeat"
+    call = Call(entry["role"], action, rank=entry["rank"], address=f"{entry['node']} pid {entry['pid']}",
+                step=calls[0].step if calls else None)
+    return RoleFailure(call, cause)
+
+
+class HealthManager:
+    """The driver's view of the attempt's heartbeats (see the module docstring)."""
+
+    def __init__(self, config: Any):
+        self.name = config.meta[BOARD_META]
+        self.interval_s = float(config.heartbeat_interval)
+        self.timeout_s = float(config.heartbeat_timeout)
+        if not 0 < 2 * self.interval_s <= self.timeout_s:  # a single late beat must not fail a healthy rank
+            raise ConfigError(f"--heartbeat-timeout ({self.timeout_s:g}) must be at least twice --heartbeat-interval "
+                              f"({self.interval_s:g}), which must be positive")
+        self.here = ray.util.get_node_ip_address()
+        self.board = HeartbeatBoard.options(name=self.name, lifetime=None).remote()
+        self.latest: list[dict[str, Any]] = []
+        self.polled_at = 0.0  # monotonic time of the last answer of the board
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="relax-health", daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        period = min(self.interval_s, 1.0)
+        while not self._stop.is_set():
+            try:
+                self.latest = ray.get(self.board.snapshot.remote(), timeout=max(5.0, self.timeout_s))
+                self.polled_at = time.monotonic()
+            except Exception as exc:  # the board is stopping with the attempt; a late poll is not a failure
+                if self._stop.is_set():
+                    return
+                logger.debug("health: board poll failed: %r", exc)
+            self._stop.wait(period)
+
+    def silent(self) -> list[dict[str, Any]]:
+        """The ranks whose last heartbeat is older than --heartbeat-timeout (as of the last poll, aged since)."""
+        if not self.polled_at:
+            return []
+        return silent_entries(self.latest, time.monotonic() - self.polled_at, self.timeout_s)
+
+    def watch(self, calls: list[Call]) -> None:
+        """Raise a `RoleFailure` for the first silent rank (relax.core.calls calls this between wait slices)."""
+        silent = self.silent()
+        if silent:
+            raise silent_failure(silent[0], self.timeout_s, self.here, calls)
+
+    def lost_ranks(self) -> list[tuple[str, str]]:
+        """(who, state) of this attempt's ranks on this node whose process is gone or stopped: after a failure
+        they name the rank that caused it (a collective's peers fail too when one rank dies)."""
+        lost = []
+        for e in self.latest:
+            state = process_state(e["pid"], e["node"], self.here) if e["node"] == self.here else ""
+            if "(dead)" in state or "stopped" in state:
+                lost.append((f"{e['role']} rank {e['rank']}", state))
+        return lost
+
+    def pid_of(self, role: str, rank: int) -> Optional[tuple[int, str]]:
+        """(pid, node) of a rank from its heartbeats, None before its first beat."""
+        for entry in self.latest:
+            if entry["role"] == role and entry["rank"] == rank:
+                return entry["pid"], entry["node"]
+        return None
+
+    def kill_silent_ranks(self) -> list[int]:
+        """SIGKILL this attempt's silent ranks on this node: a SIGSTOPped process cannot act on Ray's request to
+        exit, and neither a restart nor the shutdown should wait for it. Returns the pids signalled."""
+        killed = []
+        for entry in self.silent():
+            if entry["node"] != self.here:
+                continue
+            try:
+                os.kill(entry["pid"], signal.SIGKILL)
+                killed.append(entry["pid"])
+            except (ProcessLookupError, PermissionError):
+                pass
+        return killed
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            ray.kill(self.board)
+        except Exception:
+            pass
+        self._thread.join(timeout=2.0)
