@@ -9,6 +9,7 @@ from typing import Any
 
 import ray
 
+from relax.core.health import start_heartbeat
 from relax.observability import timeline
 from relax.weights.sync import close_all as close_weight_syncs
 
@@ -27,6 +28,7 @@ class MegatronRank:
         self.data = None
         self.offloader = None
         timeline.set_role(f"{type(self).__name__.replace('Worker', '').lower()} rank {rank}")  # its timeline track
+        start_heartbeat(self)  # --use-health-check: beats from a thread of its own (relax.core.health)
 
     def master_address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0 to host the rendezvous."""
