@@ -16,6 +16,7 @@ from relax.config.config import Config
 from relax.config.errors import ConfigError
 from relax.config.megatron_mirror import ROWS as MEGATRON_ROWS
 from relax.config.support_async import ASYNC_FEATURES
+from relax.config.support_health import HEALTH_FEATURES
 from relax.config.support_megatron import MEGATRON_FEATURES, NO_EFFECT_REASONS, no_effect_lines
 from relax.config.support_ops import OPS_FEATURES
 from relax.config.support_rollout import ROLLOUT_FEATURES
@@ -64,7 +65,7 @@ _E2E_LOOP = {
 
 IMPLEMENTED: frozenset[str] = frozenset(_CONFIG_LAYER | _DUMPS | _E2E_LOOP | TRAINING_FEATURES | ROLLOUT_FEATURES
                                         | WEIGHTS_FEATURES | ASYNC_FEATURES | OPS_FEATURES | SERVING_FEATURES
-                                        | MEGATRON_FEATURES)
+                                        | MEGATRON_FEATURES | HEALTH_FEATURES)
 
 # Flags whose feature is built for some values only: dest -> supported values.
 SUPPORTED_VALUES: dict[str, frozenset] = {

@@ -30,10 +30,14 @@ from relax.config.env import TIMELINE_ENV, threads_per_process, worker_env
 from relax.config.errors import ConfigError
 from relax.config.explain import write_resolved_config
 from relax.core.async_loop import AsyncLoop
-from relax.core.calls import descendants, run_bounded, run_quietly, stop_processes, wait_all, wait_quietly
+from relax.core.calls import (descendants, run_bounded, run_quietly, set_watch, stop_processes, wait_all,
+                               wait_quietly)
 from relax.core.deadlines import FLAGS, Call, Deadlines, RoleFailure, console_line
 from relax.core.checkpointing import resume_from, save_checkpoint
 from relax.core.colocate import ColocateProtocol
+from relax.core.health import BOARD_META, HealthManager
+from relax.core.health_faults import fault_from_env
+from relax.core.health_restart import ATTEMPT_META, Restarts, attempt_config
 from relax.core.placement import (cluster_has_gpus, colocated_bundles, create_placement_group, role_bundles,
                                   trainer_gpus)
 from relax.core.preflight import preflight
@@ -57,7 +61,14 @@ trace_log = logging.getLogger("relax.trace")  # tracebacks: the run's log file o
 
 class Controller:
     def __init__(self, config: Config):
+        if config.use_health_check and BOARD_META not in config.meta:  # the heartbeat board the ranks report to
+            config = attempt_config(config, 0, config.load)
         self.config = config
+        self.attempt = config.meta.get(ATTEMPT_META, 0)  # --use-health-check: 0, then 1, 2, ... per restart
+        self.started = False  # start() completed
+        self.health = None  # --use-health-check: the HealthManager of this attempt (relax.core.health)
+        self.fault = None  # a test's injected rank fault (relax.core.health_faults), set by run_controller
+        self._shut = ""  # "" | "kept ray" (torn down for a restart) | "all"
         timeline.set_role("controller")  # this process's track in --timeline-dump-dir's trace
         self.started_ray = False
         self.data = None
@@ -96,6 +107,9 @@ class Controller:
                 ray.init(num_cpus=max(16, 4 * actor_world + 8), include_dashboard=False,
                          runtime_env={"env_vars": env}, log_to_driver=True)
             self.started_ray = True
+        if c.use_health_check:  # before the roles: every Megatron rank beats from its constructor on
+            self.health = HealthManager(c)
+            set_watch(self.health.watch)
         if c.use_metrics_service:  # before the roles, so that their first reports find it
             self.metrics_service, _ = start_metrics_service(c.output_dir)
         use_gpu = cluster_has_gpus()
@@ -154,6 +168,7 @@ class Controller:
             run_bounded(lambda: self._resume(c.load), Call("checkpoint", f"resume from {c.load}"),
                         deadline_s=self.deadlines.train_s, flag=FLAGS["train"])
         self.colocate = ColocateProtocol(c, self.workers, self.engine_urls, rollout=self.rollout)
+        self.started = True
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -271,17 +286,32 @@ class Controller:
     def _trainers(self, method: str, action: str, step: int | None, *args: Any) -> list[Any]:
         """`method(*args)` on every trainer rank, within --train-step-timeout."""
         refs = [getattr(w, method).remote(*args) for w in self.workers]
+        self._fault_point("trainer", f"{method} {action}", step)
         calls = [Call("trainer", action, rank=r, address=self._where(r), step=step) for r in range(len(refs))]
         return self._wait(self.workers, refs, calls, self.deadlines.train_s, FLAGS["train"])
 
     def _trainer0(self, method: str, action: str, step: int | None, *args: Any) -> Any:
         """`method(*args)` on trainer rank 0 alone (a stage that is not collective), within --train-step-timeout."""
         ref = getattr(self.workers[0], method).remote(*args)
+        self._fault_point("trainer", f"{method} {action}", step)
         call = Call("trainer", action, rank=0, address=self._where(0), step=step)
         return self._wait(self.workers[:1], [ref], [call], self.deadlines.train_s, FLAGS["train"])[0]
 
     def _where(self, rank: int) -> str | None:
         return self.worker_where[rank] if rank < len(self.worker_where) else None
+
+    def _fault_point(self, role: str, action: str, step: int | None) -> None:
+        """A test's injected fault (RELAX_TEST_TRAINER_FAULT, relax.core.health_faults) fires at its call."""
+        fault = self.fault
+        if fault is None or not fault.matches(role, action, step, self.attempt):
+            return
+        where = self.health.pid_of(role, fault.rank) if self.health is not None else None
+        if where is None and role == "trainer" and self._where(fault.rank):
+            where = (int(self._where(fault.rank).rsplit(" ", 1)[1]), None)
+        if where is None:
+            logger.warning("test fault injection: no pid known for %s rank %d; not fired", role, fault.rank)
+            return
+        fault.fire(where[0], self.attempt)
 
     def _rollout_call(self, method: str, action: str, step: int | None, *args: Any) -> Any:
         """The rollout role's step: no deadline of its own (each engine request and reward call it makes has
@@ -317,6 +347,7 @@ class Controller:
 
     def _bounded(self, role: str, action: str, step: int, fn: Any) -> Any:
         """A driver-side call of an auxiliary role's stage, within --train-step-timeout."""
+        self._fault_point(role, action, step)
         return run_bounded(fn, Call(role, action, step=step), deadline_s=self.deadlines.train_s, flag=FLAGS["train"])
 
     def _data_call(self, action: str, step: int, fn: Any) -> Any:
@@ -337,16 +368,28 @@ class Controller:
         resume_from(self, load)
 
     # ------------------------------------------------------------------ shutdown
-    def shutdown(self) -> None:
+    def shutdown(self, keep_ray: bool = False) -> None:
         """Stop everything within bounded waits; never wait behind a stuck call.
 
         Idle roles are asked to stop, all at once, for up to `Deadlines.shutdown_s`; a role still busy with a
         call (a reward that never returns, a push to a stopped engine) is not asked, since its request would
         queue behind that call. Then every actor is killed, the data plane and Ray are stopped, any process
         the run started that is still there (a SIGSTOPped engine cannot act on its parent's death) is
-        signalled, and weight-sync segments whose writer is gone are removed from /dev/shm."""
+        signalled, and weight-sync segments whose writer is gone are removed from /dev/shm. `keep_ray`: a
+        restart (relax.core.health_restart) tears the attempt down but keeps Ray and its processes."""
+        if self._shut:  # torn down already; after a restart's teardown (Ray kept) an interrupted restart stops Ray
+            if self._shut == "kept ray" and not keep_ray and self.started_ray and ray.is_initialized():
+                ray.shutdown()
+            return
+        self._shut = "kept ray" if keep_ray else "all"
+        set_watch(None)  # the shutdown's own waits are bounded; a silent rank is killed below, not reported
         grace = self.deadlines.shutdown_s
-        started = [p for p in descendants() if p.pid not in self._earlier_children] if self.started_ray else []
+        started = ([p for p in descendants() if p.pid not in self._earlier_children]
+                   if self.started_ray and not keep_ray else [])
+        if self.health is not None:  # a SIGSTOPped rank cannot act on Ray's kill: SIGKILL it first
+            killed = self.health.kill_silent_ranks()
+            if killed:
+                trace_log.warning("shutdown: killed silent rank process(es) %s", killed)
         busy = self._busy_actors()
         aux_actors, aux_groups = self._aux_handles()
         aux_stop = None
@@ -375,7 +418,9 @@ class Controller:
                 pass
         if self.metrics is not None:
             self.metrics.close()
-        if self.started_ray and ray.is_initialized():
+        if self.health is not None:
+            self.health.close()
+        if self.started_ray and not keep_ray and ray.is_initialized():
             ray.shutdown()
         left = stop_processes(started)
         if left:
@@ -459,10 +504,23 @@ def run_controller(config: Config) -> int:
     os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     _install_signal_handlers()
     controller = Controller(config)
+    controller.fault = fault_from_env()  # tests only: RELAX_TEST_TRAINER_FAULT (relax.core.health_faults)
+    restarts = Restarts(config) if config.use_health_check else None
     try:
-        controller.start()
-        _install_signal_handlers()  # ray.init replaces the SIGTERM handler with its own sys.exit
-        controller.run()
+        while True:
+            try:
+                controller.start()
+                _install_signal_handlers()  # ray.init replaces the SIGTERM handler with its own sys.exit
+                if restarts is not None:
+                    restarts.started(controller)
+                controller.run()
+                break
+            except Exception as exc:  # --use-health-check: tear the attempt down, resume from the checkpoint
+                if restarts is None or not restarts.should_restart(controller, exc):
+                    raise
+                trace_log.error("traceback of the failure before restart %d", restarts.ledger.restarts + 1,
+                                exc_info=True)
+                controller = restarts.restart(controller, Controller, exc)
         logger.info("finished %d rollout steps; output in %s", config.num_rollout, out)
         return 0
     except KeyboardInterrupt:

@@ -1,0 +1,154 @@
+"""The HealthManager's parts that need no Ray (relax.core.health, health_restart, health_faults): when a rank is
+silent, what its process is (real processes, stopped and killed), the failure line, the restart ledger and its
+final line, metrics.jsonl truncation to the checkpoint step, where a restart resumes, the test fault's
+format, and a watch ending a bounded wait long before its deadline."""
+
+import json
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from relax.backends.megatron.checkpoint_layout import MARKER
+from relax.config import parse_config
+from relax.core.calls import run_bounded, set_watch
+from relax.core.deadlines import Call, RoleFailure, console_line
+from relax.core.health import BOARD_META, process_state, silent_entries, silent_failure
+from relax.core.health_faults import RankFault
+from relax.core.health_restart import (ATTEMPT_META, RestartLedger, attempt_config, resume_point, step_records,
+                                       truncate_metrics)
+
+
+def _entry(age, pid=1, role="trainer", rank=1):
+    return {"role": role, "rank": rank, "pid": pid, "node": "10.0.0.1", "t": 0.0, "age_s": age}
+
+
+def test_silent_after_timeout():
+    latest = [_entry(0.5, rank=0), _entry(2.0, rank=1)]
+    assert silent_entries(latest, since_poll_s=0.0, timeout_s=3.0) == []
+    # the board was polled 1.5 s ago: rank 1's last beat is now 3.5 s old
+    silent = silent_entries(latest, since_poll_s=1.5, timeout_s=3.0)
+    assert [e["rank"] for e in silent] == [1] and silent[0]["age_s"] == pytest.approx(3.5)
+
+
+def test_process_state_tells_hung_from_dead():
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        assert "silent (hung)" in process_state(proc.pid, "n", "n")  # alive, running or sleeping
+        proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert process_state(proc.pid, "n", "n") == f"process {proc.pid} is stopped (hung)"
+        proc.kill()
+        proc.wait()
+        assert process_state(proc.pid, "n", "n") == f"process {proc.pid} is gone (dead)"
+        assert "another node" in process_state(proc.pid, "other", "n")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_silent_failure_names_role_rank_step_and_call():
+    entry = {**_entry(7.25, pid=999999999), "node": "n"}
+    calls = [Call("trainer", "train step", rank=0, step=4), Call("trainer", "train step", rank=1, address="n pid 9",
+                                                                  step=4)]
+    failure = silent_failure(entry, 5.0, "n", calls)
+    assert failure.call is calls[1]
+    assert str(failure) == ("trainer rank 1 (n pid 9), step 4, train step: WorkerSilent: no heartbeat for 7.2 s "
+                            "(--heartbeat-timeout 5): process 999999999 is gone (dead)")
+    # a rank that is not among the calls waited for (e.g. silent while the rollout runs)
+    other = silent_failure({**entry, "role": "critic", "rank": 0}, 5.0, "n", [Call("rollout", "generate", step=2)])
+    assert str(other).startswith("critic rank 0 (n pid 999999999), step 2, heartbeat (while waiting for generate):")
+
+
+def test_watch_ends_a_bounded_wait_before_its_deadline():
+    def watch(calls):
+        raise RoleFailure(calls[0], RuntimeError("silent"))
+
+    set_watch(watch)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RoleFailure, match="silent"):
+            run_bounded(lambda: time.sleep(30), Call("reference", "log-probs", step=1), deadline_s=60, flag="--x")
+    finally:
+        set_watch(None)
+    assert time.monotonic() - t0 < 2
+
+
+def test_ledger_gives_up_naming_counts():
+    ledger = RestartLedger(1)
+    first = RoleFailure(Call("trainer", "train step", rank=1, step=2), RuntimeError("ActorDiedError: gone"))
+    assert ledger.record(first) == "trainer rank 1" and not ledger.exhausted
+    ledger.restarts += 1
+    second = RoleFailure(Call("trainer", "old log-probs", rank=1, step=2), RuntimeError("gone again"))
+    ledger.record(second)
+    assert ledger.exhausted
+    line = console_line(ledger.give_up(second))
+    assert line == ("run failed: trainer rank 1, step 2, old log-probs: RuntimeError: gone again; gave up after "
+                    "1 restart (--max-global-restart 1): trainer rank 1 failed 2 times")
+    # a failure that is not a role's call is named by its type
+    ledger = RestartLedger(0)
+    ledger.record(ValueError("x"))
+    assert ledger.exhausted and "ValueError failed 1 time" in str(ledger.give_up(ValueError("x")))
+
+
+def test_truncate_metrics_keeps_steps_before_the_checkpoint(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    records = [{"step": 0, "eval/before_train": 1.0}, {"step": 0, "samples/trained": 8.0},
+               {"step": 1, "samples/trained": 8.0}, {"step": 2, "samples/trained": 8.0}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    kept, discarded = truncate_metrics(path, 1)
+    assert [r["step"] for r in kept] == [0, 0] and [r["step"] for r in discarded] == [1, 2]
+    assert [json.loads(x) for x in path.read_text().splitlines()] == kept
+    assert step_records(kept) == [records[1]]  # the evaluation record holds no sample accounting
+    assert truncate_metrics(path, 5) == (kept, [])  # nothing after step 5: the file is left as it is
+    assert truncate_metrics(tmp_path / "none.jsonl", 0) == ([], [])
+
+
+def test_resume_point_and_attempt_config(tmp_path):
+    save = tmp_path / "ckpt"
+    config = parse_config(["--output-dir", str(tmp_path / "out"), "--save", str(save), "--use-health-check",
+                           "--start-rollout-id", "0"])
+    assert resume_point(config) == (None, None)  # no checkpoint yet: step 0
+    save.mkdir()
+    (save / "iter_0000003").mkdir()
+    (save / MARKER).write_text("3")
+    assert resume_point(config) == (str(save), 3)
+    first, second = attempt_config(config, 0, config.load), attempt_config(config, 1, str(save))
+    assert first.meta[ATTEMPT_META] == 0 and first.start_rollout_id == 0 and first.load is None
+    assert second.meta[ATTEMPT_META] == 1 and second.load == str(save) and second.start_rollout_id is None
+    assert first.meta[BOARD_META] != second.meta[BOARD_META]  # each attempt's ranks beat to a board of its own
+
+
+def test_rank_fault_format_and_attempts():
+    fault = RankFault.parse("hang:rank=0:step=2:call=train:times=2")
+    assert (fault.kind, fault.role, fault.rank, fault.step, fault.call, fault.times) == ("hang", "trainer", 0, 2,
+                                                                                         "train", 2)
+    assert not fault.matches("trainer", "forward old log-probs", 2, attempt=0)
+    assert not fault.matches("trainer", "train train step", 1, attempt=0)
+    assert fault.matches("trainer", "train train step", 2, attempt=0)
+    fault.fired.append({"attempt": 0, "pid": 1, "t": 1.0})
+    assert not fault.matches("trainer", "train train step", 2, attempt=0)  # once per attempt
+    assert fault.matches("trainer", "train train step", 2, attempt=1)
+    fault.fired.append({"attempt": 1, "pid": 1, "t": 2.0})
+    assert not fault.matches("trainer", "train train step", 2, attempt=2) and fault.last_fired_at() == 2.0
+    assert RankFault.parse("kill:rank=1:step=0:role=critic").role == "critic"
+    for bad in ("stop:rank=0:step=0", "kill:step=0", "kill:rank=0:step=0:role=rollout", "kill:rank=0:step=0:x=1"):
+        with pytest.raises(ValueError, match="RELAX_TEST_TRAINER_FAULT"):
+            RankFault.parse(bad)
+
+
+def test_rank_fault_signals_a_real_process():
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        fault = RankFault.parse("kill:rank=0:step=0:delay=0")
+        fault.fire(proc.pid, attempt=0).join(5)
+        assert proc.wait(timeout=5) == -signal.SIGKILL and fault.last_fired_at() is not None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

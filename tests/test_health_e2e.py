@@ -1,0 +1,104 @@
+"""--use-health-check through the controller (the shared Ray, 2 Megatron ranks on CPU, an embedded engine), with
+real faults injected by RELAX_TEST_TRAINER_FAULT (relax.core.health_faults):
+
+* a trainer rank SIGKILLed during step 1's update: the run restarts every role from the step-1 checkpoint and
+  finishes; a `restarted` notification goes out; metrics.jsonl holds each step once, and the sample ids trained at each step of the surviving
+  history (--save-debug-train-data) are each step's own, each exactly once;
+* a trainer rank SIGSTOPped (hung) at step 0 in every attempt, without a checkpoint: found by its missing
+  heartbeats within --heartbeat-timeout, restarted from step 0, and past --max-global-restart the run exits
+  with code 1 and one line naming the rank, the step, the hang and how often it failed."""
+
+import json
+import logging
+
+import pytest
+
+from conftest import assert_ray_released, shared_ray, shared_tiny_model
+from test_notify import LocalHook
+
+from relax.config import parse_config
+from relax.core.controller import run_controller
+from relax.core.health_faults import ENV
+from relax.models.tasks import generate_task_dataset
+from relax.observability.train_dump import load_train_data
+
+pytestmark = pytest.mark.e2e  # whole runs: Ray, trainer ranks, engines (deselect with -m 'not e2e')
+BATCH, N = 2, 2  # prompts per step, samples per prompt
+
+
+def _config(tmp_path, steps, *extra):
+    data = str(generate_task_dataset(tmp_path / "train.jsonl", 20, seed=0, task="add_mod10"))
+    out = tmp_path / "out"
+    return parse_config([
+        "--hf-checkpoint", str(shared_tiny_model()), "--prompt-data", data, "--apply-chat-template",
+        "--input-key", "input", "--label-key", "label", "--rm-type", "random", "--rollout-batch-size", str(BATCH),
+        "--n-samples-per-prompt", str(N), "--num-rollout", str(steps), "--rollout-max-response-len", "4",
+        "--micro-batch-size", "2", "--lr", "1e-3", "--lr-decay-style", "constant",
+        "--resource", '{"actor": [1, 2], "rollout": [1, 1]}', "--num-data-storage-units", "1",
+        "--distributed-backend", "gloo", "--use-health-check", "--heartbeat-interval", "0.5",
+        "--output-dir", str(out), *extra])
+
+
+def _figures(caplog) -> None:
+    """Print the detection and restart times the run logged (pytest -s shows them)."""
+    for record in caplog.records:
+        text = record.getMessage()
+        if "after the injected fault" in text or "every role is back" in text:
+            print(text)
+
+
+def test_killed_rank_restarts_from_checkpoint(tmp_path, monkeypatch, caplog):
+    shared_ray()
+    monkeypatch.setenv(ENV, "kill:rank=1:step=1:call=train")
+    out = tmp_path / "out"
+    hook = LocalHook()  # --notify-urls: the restart is announced
+    config = _config(tmp_path, 3, "--save", str(out / "ckpt"), "--save-interval", "1", "--max-global-restart", "2",
+                     "--save-debug-train-data", str(out / "train" / "{rollout_id}_{rank}.pt"),
+                     "--notify-urls", hook.url())
+    try:
+        with caplog.at_level(logging.INFO, logger="relax"):
+            assert run_controller(config) == 0
+    finally:
+        hook.close()
+    assert_ray_released()
+    titles = [m.get("title", "") for m in hook.messages()]
+    assert len(titles) == 1 and titles[0].endswith(" restarted"), titles
+    assert "trainer rank 1 failed" in hook.messages()[0]["message"]
+    _figures(caplog)
+
+    steps = [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+    assert steps == [0, 1, 2]  # each step once: the failed step 1 is done again after the restart
+    restarts = [json.loads(x) for x in (out / "restarts.jsonl").read_text().splitlines()]
+    assert len(restarts) == 1
+    assert restarts[0]["who"] == "trainer rank 1" and restarts[0]["resume_step"] == 1
+    assert "step 1" in restarts[0]["failed"]
+    # Sample ids in and out of training: the checkpoint restored the rollout position, so the redone step 1
+    # trains the ids step 1 was given before the kill; over the surviving history each id is trained once.
+    per_step = {}
+    for step in range(3):
+        ids = set()
+        for rank in range(2):
+            ids |= {int(s["index"]) for s in load_train_data(str(out / "train" / f"{step}_{rank}.pt"))["samples"]}
+        per_step[step] = ids
+    assert [sorted(per_step[s]) for s in range(3)] == [list(range(s * BATCH * N, (s + 1) * BATCH * N))
+                                                        for s in range(3)]
+    totals = json.loads((out / "sample_accounting.json").read_text())
+    assert totals["steps"] == 3 and totals["totals"]["trained"] == 3 * BATCH * N
+
+
+def test_hung_rank_past_max_global_restart(tmp_path, monkeypatch, caplog):
+    shared_ray()
+    monkeypatch.setenv(ENV, "hang:rank=0:step=0:times=2")
+    config = _config(tmp_path, 1, "--heartbeat-timeout", "4", "--max-global-restart", "1")
+    with caplog.at_level(logging.INFO, logger="relax"):
+        assert run_controller(config) == 1
+    assert_ray_released()
+    _figures(caplog)
+    text = caplog.text
+    assert "no checkpoint under --save or --load: restarting from step 0" in text
+    failed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("run failed: ")]
+    assert len(failed) == 1, failed
+    line = failed[0]
+    assert line.startswith("run failed: trainer rank 0 (")
+    assert "step 0" in line and "stopped (hung)" in line and "--heartbeat-timeout 4" in line
+    assert "gave up after 1 restart (--max-global-restart 1): trainer rank 0 failed 2 times" in line
