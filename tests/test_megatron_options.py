@@ -256,3 +256,42 @@ def test_no_save_rng_and_no_load_rng(tmp_path):
     torch.manual_seed(99)
     with_rng.load_checkpoint(tmp_path / "ck2")
     assert torch.equal(torch.rand(3), after_save)
+
+
+_CALLS: list[str] = []
+
+
+def spec_function():
+    """A --spec target: Relax's own local layer spec of the qwen2 test model, recording the call."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    _CALLS.append("spec")
+    return get_gpt_layer_local_spec(qk_layernorm=False, normalization="RMSNorm")
+
+
+def provider(pre_process, post_process, vp_stage=None, config=None, arch=None):
+    """A --custom-model-provider-path target: Relax's own model, recording the call."""
+    from relax.backends.megatron.model import build_gpt_model
+
+    _CALLS.append("provider")
+    return build_gpt_model(arch, config, False, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+
+
+def test_spec_transformer_impl_and_custom_model_provider_build_the_model(tmp_path):
+    ensure_single_process()
+    path = build_random_tiny_model(tmp_path / "m", "qwen2", seed=1)
+    samples = toy_samples(2, seed=2)
+    expected = hf_trainer(path, lr=1e-3).compute_logprobs(samples)
+    cases = [(["--spec", "local"], None), (["--transformer-impl", "local"], None),
+             (["--spec", "test_megatron_options", "spec_function"], "spec"),
+             (["--custom-model-provider-path", "test_megatron_options.provider"], "provider")]
+    for flags, call in cases:
+        _CALLS.clear()
+        _, settings = _settings(tmp_path, *flags)
+        trainer = hf_trainer(path, lr=1e-3, megatron_options=settings.megatron_options)
+        assert trainer.settings.use_te is (False if call is None else None)
+        assert _CALLS == ([call] if call else [])
+        for a, b in zip(expected, trainer.compute_logprobs(samples)):
+            torch.testing.assert_close(a, b)
+    assert unsupported_flags(parse_config(["--output-dir", str(tmp_path), "--transformer-impl",
+                                           "inference_optimized"])) == ["--transformer-impl inference_optimized"]

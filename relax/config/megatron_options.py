@@ -74,6 +74,9 @@ PARALLEL_GPU: frozenset[str] = frozenset({
 PARALLEL: frozenset[str] = frozenset({"use_gloo_process_groups"})
 # Process-wide Megatron switches Megatron-LM's initialisation applies (megatron.core.config.set_experimental_flag,
 # megatron.core.jit.disable_jit_fuser), and get_megatron_optimizer's dump of each parameter's group.
+# How the model is built (relax.backends.megatron.model.build_gpt_model): Megatron's --spec and --transformer-impl
+# local (the local layer spec instead of Transformer Engine's), and Relax's --custom-model-provider-path.
+MODEL: frozenset[str] = frozenset({"spec", "transformer_impl", "custom_model_provider_path"})
 # What a checkpoint holds and restores (relax.backends.megatron.checkpoint).
 CHECKPOINT: frozenset[str] = frozenset({"no_save_rng", "no_load_rng"})
 PROCESS: frozenset[str] = frozenset({"enable_experimental", "disable_jit_fuser", "dump_param_to_param_group_map"})
@@ -85,7 +88,7 @@ FLAG_NAMES: dict[str, str] = {
 }
 GPU_OPTIONS: frozenset[str] = TRANSFORMER_GPU | OPTIMIZER_GPU | frozenset(DDP_GPU) | PARALLEL_GPU
 CPU_OPTIONS: frozenset[str] = (TRANSFORMER | TRANSFORMER_MOE | OPTIMIZER | frozenset(DDP) | SCHEDULER | PARALLEL
-                               | PROCESS | CHECKPOINT | {"no_weight_decay_cond_type"})
+                               | PROCESS | CHECKPOINT | MODEL | {"no_weight_decay_cond_type"})
 ALL_OPTIONS: frozenset[str] = GPU_OPTIONS | CPU_OPTIONS
 
 def _plain(value: Any) -> Any:
@@ -122,6 +125,12 @@ def options_from_config(config: Any) -> tuple[tuple[str, Any], ...]:
 # Megatron's help of each flag above (its Megatron-LM 0.17 parser, else the megatron-core 0.16 field's docstring),
 # with what Relax counts differently; relax.config.help_text adds the GPU-only reason.
 OPTION_HELP: dict[str, str] = {
+    "spec": ("Specify the <module_location function_name> pair that returns a spec to customize a model, transformer "
+             "block, or transformer layer, depending on the use case. To use local spec specify local as the "
+             "argument (Relax: the object is the transformer layer spec, called first when it is a function)."),
+    "transformer_impl": ("Which Transformer implementation to use: local builds Megatron's own layers; "
+                         "transformer_engine (the default) Transformer Engine's where CUDA and transformer_engine "
+                         "are present (the local ones otherwise, as on CPU)."),
     "no_save_rng": "Do not save current rng state.",
     "no_load_rng": "Do not load rng state when loading checkpoint.",
     "enable_experimental": "Enable experimental features.",

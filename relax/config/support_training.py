@@ -86,4 +86,6 @@ TRAINING_SUPPORTED_VALUES: dict[str, frozenset] = {
     "moe_token_dispatcher_type": frozenset({"alltoall"}),
     # megatron-core 0.16's get_megatron_optimizer builds adam and sgd; muon and lion need a newer Megatron
     "optimizer": frozenset({"adam", "sgd"}),
+    # inference_optimized is Megatron's inference-only layer set (relax.config.megatron_options.MODEL)
+    "transformer_impl": frozenset({"transformer_engine", "local"}),
 }

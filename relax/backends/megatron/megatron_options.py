@@ -3,17 +3,21 @@ the fields of each object, from `TrainerSettings.megatron_options`."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+import importlib
+import inspect
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from megatron.core.config import set_experimental_flag
 from megatron.core.jit import disable_jit_fuser
+from megatron.core.transformer.spec_utils import ModuleSpec, import_module
 
 from relax.config.megatron_options import (
     DDP,
     DDP_GPU,
     FLAG_NAMES,
     GPU_OPTIONS,
+    MODEL,
     OPTIMIZER,
     OPTIMIZER_GPU,
     PROCESS,
@@ -113,3 +117,49 @@ def apply_process_options(options: Iterable[tuple[str, Any]]) -> dict[str, Any]:
     if fields.get("disable_jit_fuser"):
         disable_jit_fuser()
     return {k: v for k, v in fields.items() if k == "dump_param_to_param_group_map"}
+
+
+def local_layers(options: Iterable[tuple[str, Any]]) -> bool:
+    """--spec local or --transformer-impl local: Megatron's own layers, never Transformer Engine's."""
+    fields = _pick(options, MODEL)
+    return tuple(fields.get("spec") or ()) == ("local",) or fields.get("transformer_impl") == "local"
+
+
+def load_dotted(path: str) -> Callable:
+    """The object at `package.module.name`."""
+    module, _, name = path.rpartition(".")
+    if not module:
+        raise ValueError(f"{path!r} is not a dotted path package.module.function")
+    return getattr(importlib.import_module(module), name)
+
+
+def model_builders(options: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    """`build_gpt_model`'s `custom_spec` (--spec MODULE NAME, Megatron's import_module; a function is called for it)
+    and `provider` (--custom-model-provider-path)."""
+    fields = _pick(options, MODEL)
+    out: dict[str, Any] = {}
+    spec = tuple(fields.get("spec") or ())
+    if spec and spec != ("local",):
+        if len(spec) != 2:
+            raise ValueError(f"--spec takes 'local' or a module and a name, got {' '.join(spec)}")
+        found = import_module(spec)
+        if found is None:
+            raise ValueError(f"--spec {' '.join(spec)}: cannot import {spec[1]} from {spec[0]}")
+        out["custom_spec"] = found if isinstance(found, ModuleSpec) else found()
+    if fields.get("custom_model_provider_path"):
+        out["provider"] = load_dotted(fields["custom_model_provider_path"])
+    return out
+
+
+def call_provider(provider: Callable, *, config: Any, arch: Any, pre_process: bool, post_process: bool,
+                  vp_stage: Optional[int]) -> Any:
+    """Call a --custom-model-provider-path function as Megatron-LM calls a model provider
+    (`pre_process`, `post_process`, `vp_stage`), adding `config` (the trainer's TransformerConfig) and `arch`
+    (relax.backends.megatron.arch.ModelArch) when it takes them: Relax has no Megatron-LM global arguments to read."""
+    params = inspect.signature(provider).parameters
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kwargs = {"pre_process": pre_process, "post_process": post_process}
+    for name, value in (("vp_stage", vp_stage), ("config", config), ("arch", arch)):
+        if takes_all or name in params:
+            kwargs[name] = value
+    return provider(**kwargs)

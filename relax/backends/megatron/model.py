@@ -7,13 +7,14 @@ when CUDA and `transformer_engine` are both available (or when asked).
 from __future__ import annotations
 
 import importlib.util
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from relax.backends.megatron.arch import ModelArch
 from relax.backends.megatron.context_parallel import with_cp_attention
 from relax.backends.megatron.cpu_compat import apply_cpu_compat, compute_device
+from relax.backends.megatron.megatron_options import call_provider
 from relax.backends.megatron.sequence_parallel import block_spec
 
 __all__ = ["build_gpt_model", "te_available", "layer_spec", "ValueHead", "is_value_head_param"]
@@ -84,8 +85,13 @@ def build_gpt_model(
     vp_stage: Optional[int] = None,
     value_head: bool = False,
     value_head_seed: int = 0,
+    custom_spec: Any = None,
+    provider: Optional[Callable] = None,
 ):
     """A `GPTModel` for this rank's pipeline stage, on the compute device.
+
+    `custom_spec` (--spec) replaces the transformer-layer spec; `provider` (--custom-model-provider-path)
+    builds the model instead (relax.backends.megatron.megatron_options.call_provider says how it is called).
 
     `use_te=None` picks Transformer Engine when `te_available()`. With the
     config's `use_cpu_initialization` parameters are initialised on the CPU
@@ -104,10 +110,11 @@ def build_gpt_model(
         pre_process = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if post_process is None:
         post_process = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    spec = layer_spec(arch, use_te, grouped_gemm=bool(transformer_config.moe_grouped_gemm))
+    spec = custom_spec or layer_spec(arch, use_te, grouped_gemm=bool(transformer_config.moe_grouped_gemm))
     if transformer_config.context_parallel_size > 1 and not use_te:  # TE's attention does CP itself
         spec = with_cp_attention(spec)
-    model = GPTModel(
+    model = call_provider(provider, config=transformer_config, arch=arch, pre_process=pre_process,
+                          post_process=post_process, vp_stage=vp_stage) if provider is not None else GPTModel(
         config=transformer_config,
         transformer_layer_spec=(block_spec(spec, transformer_config, vp_stage)
                                 if transformer_config.sequence_parallel and not use_te else spec),

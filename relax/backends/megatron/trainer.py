@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import socket
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Iterator, Optional, Protocol, Sequence
@@ -41,6 +41,8 @@ from relax.backends.megatron.layer_options import layer_fields, recompute_granul
 from relax.backends.megatron.logprobs import token_logprobs
 from relax.backends.megatron.megatron_options import (
     apply_process_options,
+    local_layers,
+    model_builders,
     option,
     ddp_fields,
     optimizer_fields,
@@ -217,6 +219,8 @@ class MegatronTrainer:
     def __init__(self, arch: ModelArch, settings: TrainerSettings):
         apply_cpu_compat()
         require_cuda(settings.megatron_options)
+        if local_layers(settings.megatron_options):  # --spec local / --transformer-impl local
+            settings = replace(settings, use_te=False)
         optimizer_call = apply_process_options(settings.megatron_options)  # before the model is built
         if settings.cp > 1 and settings.pp > 1:
             raise NotImplementedError("context parallelism with pipeline parallelism is not supported by "
@@ -247,7 +251,8 @@ class MegatronTrainer:
             **layer_fields(settings, uses_te(settings), arch.is_moe),
             **self._routing_replay_overrides(arch, settings),
         )
-        gpt = build_gpt_model(arch, self.config, uses_te(settings), value_head=settings.value_head,
+        gpt = build_gpt_model(arch, self.config, uses_te(settings), **model_builders(settings.megatron_options),
+                              value_head=settings.value_head,
                               value_head_seed=settings.seed)
         self.frozen_names: set[str] = set()
         if settings.forward_only:

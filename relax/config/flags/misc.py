@@ -19,7 +19,11 @@ def add_flags(parser):
                    help="Device memory kept free when sizing training buffers (accepts 1GB).")
     g.add_argument("--disable-weights-backuper", action="store_true", default=False,
                    help="Do not keep a host copy of weights (saves host memory).")
-    g.add_argument("--custom-model-provider-path", type=str, default=None, help="Dotted path of a Megatron model provider.")
+    g.add_argument("--custom-model-provider-path", type=str, default=None,
+                   help="Dotted path (package.module.function) of a Megatron model provider: it builds each trainer "
+                        "rank's model in place of Relax's GPTModel, called as Megatron-LM calls one (pre_process, "
+                        "post_process, vp_stage), with config= (the TransformerConfig) and arch= (Relax's ModelArch) "
+                        "when it takes them. Its parameter names must match the HF weight mapping.")
     g.add_argument("--recompute-loss-function", action="store_true", default=False,
                    help="Activation-checkpoint logits -> log-probs -> loss of each micro-batch: its float32 "
                         "softmax intermediates are recomputed in backward instead of kept (same loss and "
