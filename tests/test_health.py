@@ -15,7 +15,7 @@ from relax.backends.megatron.checkpoint_layout import MARKER
 from relax.config import parse_config
 from relax.core.calls import run_bounded, set_watch
 from relax.core.deadlines import Call, RoleFailure, console_line
-from relax.core.health import BOARD_META, process_state, silent_entries, silent_failure
+from relax.core.health import BOARD_META, HealthManager, process_state, silent_entries, silent_failure
 from relax.core.health_faults import RankFault
 from relax.core.health_restart import (ATTEMPT_META, RestartLedger, attempt_config, resume_point, step_records,
                                        truncate_metrics)
@@ -152,3 +152,14 @@ def test_rank_fault_signals_a_real_process():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_describe_tells_a_rank_stuck_in_its_call_from_a_silent_one():
+    # the manager's view after a poll (its board and poll thread need Ray; describe reads only this state)
+    manager = object.__new__(HealthManager)
+    manager.timeout_s, manager.here, manager.polled_at = 5.0, "n", time.monotonic()
+    manager.latest = [{**_entry(0.4, pid=999999999, rank=0), "node": "n"},
+                      {**_entry(9.0, pid=999999999, rank=1), "node": "n"}]
+    assert manager.describe("trainer", 0).startswith("trainer rank 0 is alive (last heartbeat 0.4 s ago): hung in")
+    assert manager.describe("trainer", 1) == "trainer rank 1: process 999999999 is gone (dead)"
+    assert manager.describe("critic", 0) == "critic rank 0 never sent a heartbeat"

@@ -124,8 +124,12 @@ def process_state(pid: int, node: str, here: str) -> str:
 def silent_entries(latest: list[dict[str, Any]], since_poll_s: float, timeout_s: float) -> list[dict[str, Any]]:
     """Board entries (with `age_s` as of a poll `since_poll_s` ago) silent for longer than `timeout_s`, with
     their `age_s` brought up to now."""
-    aged = [{**e, "age_s": e["age_s"] + since_poll_s} for e in latest]
-    return [e for e in aged if e["age_s"] > timeout_s]
+    return [e for e in aged_entries(latest, since_poll_s) if e["age_s"] > timeout_s]
+
+
+def aged_entries(latest: list[dict[str, Any]], since_poll_s: float) -> list[dict[str, Any]]:
+    """Board entries with their `age_s` (as of a poll `since_poll_s` ago) brought up to now."""
+    return [{**e, "age_s": e["age_s"] + since_poll_s} for e in latest]
 
 
 def silent_failure(entry: dict[str, Any], timeout_s: float, here: str, calls: list[Call]) -> RoleFailure:
@@ -183,6 +187,16 @@ class HealthManager:
         silent = self.silent()
         if silent:
             raise silent_failure(silent[0], self.timeout_s, self.here, calls)
+
+    def describe(self, role: str, rank: int) -> str:
+        """What the heartbeats say of a rank whose call ran past its deadline: still beating means its process
+        is alive and the call itself is stuck (hung in the call); silent means stopped or dead."""
+        for e in aged_entries(self.latest, time.monotonic() - self.polled_at if self.polled_at else 0.0):
+            if e["role"] == role and e["rank"] == rank:
+                if e["age_s"] <= self.timeout_s:
+                    return (f"{role} rank {rank} is alive (last heartbeat {e['age_s']:.1f} s ago): hung in its call")
+                return f"{role} rank {rank}: {process_state(e['pid'], e['node'], self.here)}"
+        return f"{role} rank {rank} never sent a heartbeat"
 
     def lost_ranks(self) -> list[tuple[str, str]]:
         """(who, state) of this attempt's ranks on this node whose process is gone or stopped: after a failure

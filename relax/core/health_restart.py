@@ -132,6 +132,10 @@ class Restarts:
         if controller.attempt == 0 and not controller.started:
             return False
         who = None
+        if controller.health is not None and isinstance(exc, RoleFailure) and exc.timed_out:
+            for call in exc.waiting:  # past its deadline: alive and stuck in the call, or silent (stopped, dead)
+                if call.rank is not None:
+                    exc.add_detail(controller.health.describe(call.role, call.rank))
         lost = controller.health.lost_ranks() if controller.health is not None else []
         if lost:  # the rank whose process died or stopped, rather than a peer whose collective failed with it
             who = lost[0][0]
