@@ -186,14 +186,24 @@ def trainer_inputs(samples: Sequence[Sample], advantages: Sequence[torch.Tensor]
     out = []
     for i, sample in enumerate(samples):
         n = len(sample.response_tokens)
-        adv = advantages[i]
-        if not isinstance(adv, torch.Tensor) or adv.dim() == 0:
-            adv = torch.full((n,), float(adv), dtype=torch.float32)
         out.append({
             "tokens": torch.tensor(sample.prompt_tokens + sample.response_tokens, dtype=torch.long),
             "response_length": n,
-            "advantages": adv.float(),
+            "advantages": _advantage_row(advantages[i], n),
             "loss_mask": torch.tensor(sample.loss_mask or [1] * n, dtype=torch.float32),
             "rollout_logprobs": torch.tensor(sample.response_logprobs, dtype=torch.float32),
         })
     return out
+
+
+def with_advantages(inputs: Sequence[dict[str, Any]], advantages: Sequence[torch.Tensor] | torch.Tensor
+                    ) -> list[dict[str, Any]]:
+    """`trainer_inputs` of the same samples with other advantages: copies of `inputs` sharing their tensors
+    (building the token tensors again costs ~20 ms a step for 512 samples on CPU)."""
+    return [{**x, "advantages": _advantage_row(adv, x["response_length"])} for x, adv in zip(inputs, advantages)]
+
+
+def _advantage_row(adv: Any, n: int) -> torch.Tensor:
+    if not isinstance(adv, torch.Tensor) or adv.dim() == 0:
+        return torch.full((n,), float(adv), dtype=torch.float32)
+    return adv.float()

@@ -27,7 +27,7 @@ from relax.data.balance import dp_shares, strided_shares, token_spread
 from relax.data.routes import decode_routes, routes_rows
 from relax.data.sample import Sample
 from relax.observability.train_dump import save_train_data
-from relax.training.advantages import compute_advantages_and_returns, trainer_inputs
+from relax.training.advantages import compute_advantages_and_returns, trainer_inputs, with_advantages
 from relax.training.objective import PolicyObjective, ValueObjective
 from relax.training.train_data import check_true_on_policy, train_samples
 
@@ -160,7 +160,7 @@ def update_stage(trainer, batch: StepBatch, config: Any, *, advantages: Sequence
     update_actor = actor_updates_at(config, step)
     gbs = config.global_batch_size or len(samples)
     num_updates = batch.num_updates
-    inputs = trainer_inputs(samples, advantages)
+    inputs = with_advantages(batch.base, advantages)  # the forward stage's tensors of the same samples
     for i, x in enumerate(inputs):
         if old_logprobs is not None:
             x["old_logprobs"] = old_logprobs[i]
