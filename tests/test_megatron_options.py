@@ -295,3 +295,24 @@ def test_spec_transformer_impl_and_custom_model_provider_build_the_model(tmp_pat
             torch.testing.assert_close(a, b)
     assert unsupported_flags(parse_config(["--output-dir", str(tmp_path), "--transformer-impl",
                                            "inference_optimized"])) == ["--transformer-impl inference_optimized"]
+
+
+def test_ddp_num_buckets_and_the_weight_hash_check(tmp_path, monkeypatch):
+    import relax.backends.megatron.megatron_options as backend_options
+
+    ensure_single_process()
+    path = build_random_tiny_model(tmp_path / "m", "qwen2", seed=1)
+    _, settings = _settings(tmp_path, "--overlap-grad-reduce", "--ddp-num-buckets", "4",
+                            "--check-weight-hash-across-dp-replicas-interval", "2")
+    trainer = hf_trainer(path, lr=1e-3, megatron_options=settings.megatron_options)
+    assert trainer.model.ddp_config.bucket_size == sum(p.numel() for p in trainer.gpt_model.parameters()) // 4
+    checked = []
+    monkeypatch.setattr(backend_options, "check_param_hashes_across_dp_replicas",
+                        lambda model, cross_check: checked.append(cross_check) or len(checked) < 2)
+    trainer.train_step(toy_samples(2, seed=1), toy_pg_loss)
+    assert checked == []  # optimizer step 1 of an interval of 2
+    trainer.train_step(toy_samples(2, seed=2), toy_pg_loss)
+    assert checked == [True]
+    trainer.train_step(toy_samples(2, seed=3), toy_pg_loss)
+    with pytest.raises(RuntimeError, match="differ across data-parallel replicas after optimizer step 4"):
+        trainer.train_step(toy_samples(2, seed=4), toy_pg_loss)

@@ -56,6 +56,7 @@ DDP: dict[str, str] = {
     "ddp_reduce_scatter_with_fp32_accumulation": "reduce_scatter_with_fp32_accumulation",
     "gradient_reduce_div_fusion": "gradient_reduce_div_fusion",
     "grad_reduce_in_bf16": "grad_reduce_in_fp32",  # Megatron-LM: grad_reduce_in_fp32 = not --grad-reduce-in-bf16
+    "ddp_num_buckets": "num_buckets",  # wrap_ddp: the bucket size is the parameter count over it, as Megatron-LM
     # not a DDP field: with overlap_grad_reduce, whether the schedules get DDP's start_grad_sync (wrap_ddp)
     "align_grad_reduce": "align_grad_reduce",
 }
@@ -79,6 +80,8 @@ PARALLEL: frozenset[str] = frozenset({"use_gloo_process_groups"})
 MODEL: frozenset[str] = frozenset({"spec", "transformer_impl", "custom_model_provider_path"})
 # What a checkpoint holds and restores (relax.backends.megatron.checkpoint).
 CHECKPOINT: frozenset[str] = frozenset({"no_save_rng", "no_load_rng"})
+# Checks after each optimizer step (relax.backends.megatron.megatron_options.check_weight_hashes).
+STEP: frozenset[str] = frozenset({"check_weight_hash_across_dp_replicas_interval"})
 PROCESS: frozenset[str] = frozenset({"enable_experimental", "disable_jit_fuser", "dump_param_to_param_group_map"})
 
 # The --flag of each option whose name is not its dest's (for the messages of a trainer rank, which has no parser).
@@ -88,7 +91,7 @@ FLAG_NAMES: dict[str, str] = {
 }
 GPU_OPTIONS: frozenset[str] = TRANSFORMER_GPU | OPTIMIZER_GPU | frozenset(DDP_GPU) | PARALLEL_GPU
 CPU_OPTIONS: frozenset[str] = (TRANSFORMER | TRANSFORMER_MOE | OPTIMIZER | frozenset(DDP) | SCHEDULER | PARALLEL
-                               | PROCESS | CHECKPOINT | MODEL | {"no_weight_decay_cond_type"})
+                               | PROCESS | CHECKPOINT | MODEL | STEP | {"no_weight_decay_cond_type"})
 ALL_OPTIONS: frozenset[str] = GPU_OPTIONS | CPU_OPTIONS
 
 def _plain(value: Any) -> Any:
@@ -125,6 +128,10 @@ def options_from_config(config: Any) -> tuple[tuple[str, Any], ...]:
 # Megatron's help of each flag above (its Megatron-LM 0.17 parser, else the megatron-core 0.16 field's docstring),
 # with what Relax counts differently; relax.config.help_text adds the GPU-only reason.
 OPTION_HELP: dict[str, str] = {
+    "ddp_num_buckets": ("Number of buckets for data-parallel communication (the bucket size is the parameter count "
+                        "over it)."),
+    "check_weight_hash_across_dp_replicas_interval": ("Interval to check weight hashes are same across DP replicas "
+                                                      "(in optimizer steps)."),
     "spec": ("Specify the <module_location function_name> pair that returns a spec to customize a model, transformer "
              "block, or transformer layer, depending on the use case. To use local spec specify local as the "
              "argument (Relax: the object is the transformer layer spec, called first when it is a function)."),

@@ -11,6 +11,7 @@ import torch
 from megatron.core.config import set_experimental_flag
 from megatron.core.jit import disable_jit_fuser
 from megatron.core.transformer.spec_utils import ModuleSpec, import_module
+from megatron.core.utils import check_param_hashes_across_dp_replicas
 
 from relax.config.megatron_options import (
     DDP,
@@ -80,7 +81,7 @@ def optimizer_fields(options: Iterable[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def ddp_fields(options: Iterable[tuple[str, Any]]) -> dict[str, Any]:
-    """DistributedDataParallelConfig fields."""
+    """DistributedDataParallelConfig fields (and `num_buckets`, which `wrap_ddp` turns into a bucket size)."""
     table = {**DDP, **DDP_GPU}
     fields = {table[dest]: value for dest, value in _pick(options, table).items()}
     if "grad_reduce_in_fp32" in fields:
@@ -163,3 +164,11 @@ def call_provider(provider: Callable, *, config: Any, arch: Any, pre_process: bo
         if takes_all or name in params:
             kwargs[name] = value
     return provider(**kwargs)
+
+
+def check_weight_hashes(model: Any, iteration: int, options: Iterable[tuple[str, Any]]) -> None:
+    """--check-weight-hash-across-dp-replicas-interval N: every N optimizer steps, the weights of every data-parallel
+    replica must hash the same (Megatron's check_param_hashes_across_dp_replicas, collective over the ranks)."""
+    every = option(options, "check_weight_hash_across_dp_replicas_interval")
+    if every and iteration % every == 0 and not check_param_hashes_across_dp_replicas([model], cross_check=True):
+        raise RuntimeError(f"the weights differ across data-parallel replicas after optimizer step {iteration}")

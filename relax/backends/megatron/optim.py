@@ -14,7 +14,7 @@ OPTIMIZER_GPU_FEATURES = ("optimizer_cpu_offload", "overlap_cpu_optimizer_d2h_h2
 
 
 def wrap_ddp(model: torch.nn.Module, transformer_config, *, use_distributed_optimizer: bool, align_grad_reduce: bool = True,
-             **ddp_overrides: Any):
+             num_buckets: Optional[int] = None, **ddp_overrides: Any):
     """Wrap a GPTModel in Megatron's DDP (contiguous grad buffers, `main_grad`).
 
     Also points the config at `finalize_model_grads`, which all-reduces
@@ -24,6 +24,7 @@ def wrap_ddp(model: torch.nn.Module, transformer_config, *, use_distributed_opti
     every micro-batch but the last under `no_sync` (each bucket's reduce starts as the last backward pass fills
     it) and, with `align_grad_reduce` (--no-align-grad-reduce turns it off), pipeline schedules start each
     stage's reduce together.
+    `num_buckets` (--ddp-num-buckets) sets the bucket size to the model's parameter count over it, as Megatron-LM.
     """
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -31,6 +32,10 @@ def wrap_ddp(model: torch.nn.Module, transformer_config, *, use_distributed_opti
         finalize_model_grads,
     )
 
+    if num_buckets is not None:
+        if ddp_overrides.get("bucket_size") is not None or num_buckets <= 0:
+            raise ValueError("--ddp-num-buckets takes a positive count, and not with --ddp-bucket-size")
+        ddp_overrides["bucket_size"] = sum(p.numel() for p in model.parameters()) // num_buckets
     ddp_config = DistributedDataParallelConfig(**{
         "grad_reduce_in_fp32": True,
         "overlap_grad_reduce": False,

@@ -41,6 +41,7 @@ from relax.backends.megatron.layer_options import layer_fields, recompute_granul
 from relax.backends.megatron.logprobs import token_logprobs
 from relax.backends.megatron.megatron_options import (
     apply_process_options,
+    check_weight_hashes,
     local_layers,
     model_builders,
     option,
@@ -691,6 +692,7 @@ class MegatronTrainer:
         if success:
             self.scheduler.step(increment=1)
             self.iteration += 1
+        check_weight_hashes(self.model, self.iteration, self.settings.megatron_options)
         metrics.update(
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             lr=lr,
