@@ -15,6 +15,8 @@ def add_flags(parser):
     g.add_argument("--max-actor-ckpt-to-keep", type=int, default=None,
                    help="Keep at most this many actor checkpoints (oldest removed first).")
     g.add_argument("--checkpoint-engine-backend", type=str, default="nccl",
-                   help="Backend of the checkpoint-engine weight service used in fully-async mode.")
+                   help="Backend of the checkpoint-engine weight service used in fully-async mode. Relax pushes weights "
+                        "to engines over their HTTP API (/update_weights_from_tensor) in every mode; the "
+                        "checkpoint-engine service is not built.")
     g.add_argument("--critic-load", type=str, default=None, help="Critic checkpoint to load (defaults to --load).")
     g.add_argument("--critic-save", type=str, default=None, help="Where to save the critic.")

@@ -3,6 +3,12 @@
 from relax.config.types import json_object
 
 
+# The multimodal processor settings configure the HF processor of multimodal training inputs; Relax's trainer builds
+# text-only models, so they are refused (multimodal_keys' inputs reach SGLang engines as they are).
+_MM = (" The trainer builds text-only models, so the multimodal processor this configures is not built yet "
+       "(inputs named by --multimodal-keys reach SGLang engines as they are).")
+
+
 def add_flags(parser):
     g = parser.add_argument_group("Dataset")
     g.add_argument("--prompt-data", type=str, default=None, help="Training prompts: a JSONL or Parquet file.")
@@ -33,15 +39,15 @@ def add_flags(parser):
     g = parser.add_argument_group("Multimodal data")
     g.add_argument("--multimodal-keys", type=json_object, default=None,
                    help='Map of modality to dataset field as JSON, e.g. \'{"image": "images"}\'; sent to SGLang as image_data/video_data/audio_data (not the embedded engine).')
-    g.add_argument("--use-audio-in-video", action="store_true", default=False, help="Also use the audio track of videos.")
-    g.add_argument("--image-max-token-num", type=int, default=None, help="Upper bound of tokens per image (unset: the processor's own, 16384).")
-    g.add_argument("--image-min-token-num", type=int, default=None, help="Lower bound of tokens per image (unset: the processor's own, 4).")
-    g.add_argument("--video-min-token-num", type=int, default=None, help="Lower bound of tokens per video frame (unset: the processor's own, 128).")
-    g.add_argument("--video-max-token-num", type=int, default=None, help="Upper bound of tokens per video frame (unset: the processor's own, 768).")
-    g.add_argument("--video-fps", type=float, default=None, help="Frames per second sampled from videos (unset: the processor's own, 2.0).")
-    g.add_argument("--video-fps-min-frames", type=int, default=None, help="Fewest frames taken from a video (unset: the processor's own, 4).")
-    g.add_argument("--video-fps-max-frames", type=int, default=None, help="Most frames taken from a video (unset: the processor's own, 768).")
-    g.add_argument("--audio-sample-rate", type=int, default=None, help="Audio resampling rate in Hz (unset: the processor's own, 16000).")
-    g.add_argument("--frame-factor", type=int, default=None, help="Frame count alignment (unset: the processor's own, 2).")
+    g.add_argument("--use-audio-in-video", action="store_true", default=False, help="Also use the audio track of videos." + _MM)
+    g.add_argument("--image-max-token-num", type=int, default=None, help="Upper bound of tokens per image (unset: the processor's own, 16384)." + _MM)
+    g.add_argument("--image-min-token-num", type=int, default=None, help="Lower bound of tokens per image (unset: the processor's own, 4)." + _MM)
+    g.add_argument("--video-min-token-num", type=int, default=None, help="Lower bound of tokens per video frame (unset: the processor's own, 128)." + _MM)
+    g.add_argument("--video-max-token-num", type=int, default=None, help="Upper bound of tokens per video frame (unset: the processor's own, 768)." + _MM)
+    g.add_argument("--video-fps", type=float, default=None, help="Frames per second sampled from videos (unset: the processor's own, 2.0)." + _MM)
+    g.add_argument("--video-fps-min-frames", type=int, default=None, help="Fewest frames taken from a video (unset: the processor's own, 4)." + _MM)
+    g.add_argument("--video-fps-max-frames", type=int, default=None, help="Most frames taken from a video (unset: the processor's own, 768)." + _MM)
+    g.add_argument("--audio-sample-rate", type=int, default=None, help="Audio resampling rate in Hz (unset: the processor's own, 16000)." + _MM)
+    g.add_argument("--frame-factor", type=int, default=None, help="Frame count alignment (unset: the processor's own, 2)." + _MM)
     g.add_argument("--mm-processor-pool-size", type=int, default=0,
-                   help="Worker processes for multimodal preprocessing; 0 uses a thread pool.")
+                   help="Worker processes for multimodal preprocessing; 0 uses a thread pool." + _MM)

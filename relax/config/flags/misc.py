@@ -16,7 +16,9 @@ def add_flags(parser):
     g.add_argument("--train-env-vars", type=json_object, default={},
                    help="Extra environment variables (JSON object) for training roles.")
     g.add_argument("--train-memory-margin-bytes", type=byte_size, default=1024**3,
-                   help="Device memory kept free when sizing training buffers (accepts 1GB).")
+                   help="Device memory kept free when sizing training buffers (accepts 1GB). Relax's trainer sizes no "
+                        "buffer from free device memory (micro-batches come from --max-tokens-per-gpu), so there is "
+                        "nothing to keep a margin for yet.")
     g.add_argument("--disable-weights-backuper", action="store_true", default=False,
                    help="Do not keep a host copy of weights (saves host memory).")
     g.add_argument("--custom-model-provider-path", type=str, default=None,
@@ -38,13 +40,15 @@ def add_flags(parser):
                    help="Model family for weight conversion (default: read from --hf-checkpoint's config).")
     g.add_argument("--only-load-weight", action="store_true", default=False,
                    help="Reference and old-policy roles load weights only (no optimizer state).")
-    g.add_argument("--rlsp-server-port", type=int, default=8234, help="HTTP port of the RLSP server.")
+    g.add_argument("--rlsp-server-port", type=int, default=8234, help="HTTP port of the RLSP server. Relax has no RLSP server.")
 
     g = parser.add_argument_group("Model architecture extensions")
     g.add_argument("--post-self-attn-layernorm", action="store_true", default=False,
-                   help="Extra norm after self-attention (GLM4 family).")
+                   help="Extra norm after self-attention (GLM4 family). GLM4 is not a family Relax builds yet: it also needs "
+                        "partial rotary embeddings and the HF weight mapping of these norms.")
     g.add_argument("--post-mlp-layernorm", action="store_true", default=False,
-                   help="Extra norm after the MLP (GLM4 family).")
+                   help="Extra norm after the MLP (GLM4 family). GLM4 is not a family Relax builds yet: it also needs partial "
+                        "rotary embeddings and the HF weight mapping of these norms.")
 
     g = parser.add_argument_group("Debug")
     g.add_argument("--debug-rollout-only", action="store_true", default=False, help="Run rollout only; no training.")
@@ -97,6 +101,8 @@ def add_flags(parser):
                         "it to the message of a collective that fails (GPU only).")
 
     g = parser.add_argument_group("Network")
-    g.add_argument("--http-proxy", type=str, default=None, help="HTTP proxy for outgoing requests.")
+    g.add_argument("--http-proxy", type=str, default=None, help="HTTP proxy for outgoing requests. Relax's engine, router and reward clients do not route through a "
+                        "proxy yet.")
     g.add_argument("--use-distributed-post", action="store_true", default=False,
-                   help="Spread HTTP posts over several Ray workers.")
+                   help="Spread HTTP posts over several Ray workers. Relax's rollout manager posts from its own threads; "
+                        "the Ray-worker fan-out is not built.")
