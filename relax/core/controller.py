@@ -47,6 +47,7 @@ from relax.data.plane import DataPlane
 from relax.models.embedded import build_embedded_assets
 from relax.observability.accounting import RunAccounting, step_problems
 from relax.observability import timeline
+from relax.observability.console import WORKER_SETUP_HOOK
 from relax.observability.metrics import MetricsWriter
 from relax.observability.metrics_client import MetricsReporter
 from relax.observability.metrics_service import start_metrics_service, stop_metrics_service
@@ -100,12 +101,13 @@ class Controller:
         engine_key = {ENGINE_API_KEY_ENV: ensure_engine_api_key()}
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
-            env = {**worker_env(), **engine_key}
+            # the hook gives the roles' Relax records the driver's line shape, to keep them on the console
+            job_env = {"env_vars": {**worker_env(), **engine_key}, "worker_process_setup_hook": WORKER_SETUP_HOOK}
             if address:
-                ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
+                ray.init(address=address, runtime_env=job_env, log_to_driver=True)
             else:
                 ray.init(num_cpus=max(16, 4 * actor_world + 8), include_dashboard=False,
-                         runtime_env={"env_vars": env}, log_to_driver=True)
+                         runtime_env=job_env, log_to_driver=True)
             self.started_ray = True
         if c.use_health_check:  # before the roles: every Megatron rank beats from its constructor on
             self.health = HealthManager(c)
