@@ -57,6 +57,8 @@ def test_only_flags_set_to_other_values_travel(tmp_path):
     (["--cpu-offloading-num-layers", "1"], "activation offloading"),
     (["--cp-comm-type", "a2a"], "context-parallel attention"),
     (["--use-sharp"], "SHARP"),
+    (["--fp32-residual-connection"], "megatron-core's local layers"),
+    (["--use-kitchen-attention"], "Kitchen"),
 ])
 def test_gpu_only_options_are_refused_on_a_cpu_only_run(tmp_path, monkeypatch, flags, reason):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)

@@ -34,7 +34,8 @@ TRANSFORMER_GPU: frozenset[str] = frozenset({
     "fp4", "fp4_recipe", "fp4_param", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
     "num_layers_at_end_in_bf16", "use_te_activation_func", "batch_invariant_mode", "symmetric_ar_type",
     "cpu_offloading_num_layers", "fine_grained_activation_offloading", "offload_modules", "min_offloaded_tensor_size",
-    "cp_comm_type", "moe_router_padding_for_fp8", "moe_router_padding_for_quantization",
+    "cp_comm_type", "moe_router_padding_for_fp8", "moe_router_padding_for_quantization", "use_kitchen_attention",
+    "kitchen_attention_backend", "fp32_residual_connection",
 })
 # OptimizerConfig fields built on the CPU (the fp16 loss scaler, decoupled lr of the embedding and output layer,
 # weight decay of the QK layernorms).
@@ -128,6 +129,9 @@ def options_from_config(config: Any) -> tuple[tuple[str, Any], ...]:
 # Megatron's help of each flag above (its Megatron-LM 0.17 parser, else the megatron-core 0.16 field's docstring),
 # with what Relax counts differently; relax.config.help_text adds the GPU-only reason.
 OPTION_HELP: dict[str, str] = {
+    "fp32_residual_connection": "Move residual connections to fp32.",
+    "use_kitchen_attention": "Use coarse-grained kitchen attention (Megatron's NVIDIA Kitchen integration).",
+    "kitchen_attention_backend": "The backend of kitchen attention (sdpa or fa).",
     "ddp_num_buckets": ("Number of buckets for data-parallel communication (the bucket size is the parameter count "
                         "over it)."),
     "check_weight_hash_across_dp_replicas_interval": ("Interval to check weight hashes are same across DP replicas "

@@ -69,6 +69,10 @@ GPU_ONLY_OPTION_REASONS: dict[str, str] = {
     "high_priority_stream_groups": "NCCL communicators on high-priority CUDA streams",
     "nccl_communicator_config_path": "a YAML of NCCL communicator settings (NCCL is the GPU collective library)",
     "te_rng_tracker": "Transformer Engine's CUDA RNG tracker",
+    "fp32_residual_connection": ("keeps the residual stream in fp32 under bf16/fp16; Transformer Engine's layers (CUDA) "
+                                 "cast it for their matmuls, megatron-core's local layers (the CPU's) do not"),
+    "use_kitchen_attention": "NVIDIA Kitchen's quantized attention kernels (CUDA)",
+    "kitchen_attention_backend": "chooses the backend of NVIDIA Kitchen's quantized attention (CUDA)",
 }
 assert set(GPU_ONLY_OPTION_REASONS) == GPU_OPTIONS, sorted(GPU_OPTIONS ^ set(GPU_ONLY_OPTION_REASONS))
 _ALL_REASONS = {**GPU_ONLY_REASONS, **GPU_ONLY_OPTION_REASONS}

@@ -117,6 +117,8 @@ NO_EFFECT_REASONS: dict[str, str] = {
     "moe_pad_experts_for_cuda_graph_inference": _INFERENCE,
     # other model kinds' switches
     "bert_binary_head": "it is for BERT models; Relax builds decoder-only GPT models",
+    "onnx_safe": "neither megatron-core 0.16 nor Megatron-LM 0.17's training code reads it (Relax exports no ONNX)",
+    "cache_mla_latents": _INFERENCE,
     "use_flash_attn": ("megatron-core reads no such setting (Megatron-LM 0.17 only checks it against "
                        "--deterministic-mode); the attention kernel is --attention-backend's"),
     "moe_enable_routing_replay": ("Relax switches Megatron's routing replay on itself with --use-routing-replay "
@@ -166,7 +168,7 @@ NOT_BUILT: dict[str, tuple[str, frozenset[str]]] = {
         "Relax builds Llama, Qwen2, Qwen3 and Qwen3-MoE shapes (relax.backends.megatron.arch); the HF export and "
         "the rollout engines need one of them",
         frozenset({
-            "softmax_type", "fp32_residual_connection", "apply_residual_connection_post_layernorm",
+            "softmax_type", "apply_residual_connection_post_layernorm",
             "layernorm_zero_centered_gamma", "glu_linear_offset", "activation_func_clamp_value", "rotary_interleaved",
             "qk_l2_norm", "attention_output_gate", "multi_latent_attention", "experimental_attention_variant",
             "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk", "dsa_indexer_loss_coeff",
@@ -179,12 +181,11 @@ NOT_BUILT: dict[str, tuple[str, frozenset[str]]] = {
             "mamba_head_dim", "mamba_num_groups", "mamba_num_heads", "use_mamba_mem_eff_path", "encoder_num_layers",
             "decoder_num_layers", "window_size", "window_attn_skip_freq", "relative_attention_num_buckets",
             "relative_attention_max_distance", "rotary_percent", "rotary_seq_len_interpolation_factor",
-            "no_rope_freq", "openai_gelu", "squared_relu", "quick_geglu", "onnx_safe", "rope_type", "q_lora_rank",
+            "no_rope_freq", "openai_gelu", "squared_relu", "quick_geglu", "rope_type", "q_lora_rank",
             "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rotary_scaling_factor", "mscale",
-            "mscale_all_dim", "cache_mla_latents", "spec", "hybrid_layer_pattern", "hybrid_override_pattern",
+            "mscale_all_dim", "spec", "hybrid_layer_pattern", "hybrid_override_pattern",
             "transformer_impl", "use_legacy_models", "mtp_num_layers", "mtp_loss_scaling_factor", "mtp_standalone",
-            "use_kitchen_attention", "kitchen_attention_backend",
-        })),
+            })),
     "model initialisation": (
         "not passed yet (--init-method-std and the other init settings are built): xavier init replaces Megatron's "
         "init functions, data-parallel random init needs per-rank seeds and a broadcast, meta-device init needs "
