@@ -8,7 +8,7 @@ import pytest
 import ray
 
 from conftest import assert_ray_released, shared_ray, shared_tiny_model
-from test_timeline import check_chrome_trace
+from test_timeline import assert_lanes_do_not_overlap, check_chrome_trace
 
 from relax.config import parse_config
 from relax.config.env import TIMELINE_ENV
@@ -120,6 +120,12 @@ def _check_timeline(path, records) -> None:
         covered = sum(s["dur"] for s in inner)
         assert 0.8 * outer["dur"] <= covered <= outer["dur"] + 1, (covered, outer["dur"])
         assert abs(outer["dur"] / 1e6 - r["perf/step_time"]) < 0.5
+        # reward calls: one span per prompt group, on the rollout manager's track, inside the step
+        scored = [s for s in spans if s["cat"] == "reward" and s["args"].get("step") == step]
+        assert len(scored) == 4 and sum(s["args"]["samples"] for s in scored) == r["rollout/num_samples"], scored
+        assert {tracks[s["pid"]].split(" (")[0] for s in scored} == {"rollout manager"}
+        assert all(outer["ts"] <= s["ts"] and s["ts"] + s["dur"] <= outer["ts"] + outer["dur"] + 1 for s in scored)
+    assert_lanes_do_not_overlap([s for s in spans if s["cat"] == "reward"])
 
 
 def _alive_non_ray(pid: int) -> bool:

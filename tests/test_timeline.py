@@ -64,3 +64,46 @@ def test_nothing_is_written_without_the_flag(tmp_path, monkeypatch):
     with timeline.span("step", step=0):
         pass
     assert not timeline.enabled() and not list(tmp_path.iterdir())
+
+
+def test_reward_calls_are_spans_on_lanes_that_never_overlap(tmp_path, monkeypatch):
+    """The reward runner records one span per call (a prompt group in a rollout); calls that overlap on the
+    event loop go on separate lanes of the rollout manager's track, and a lane's spans never overlap."""
+    import asyncio
+
+    from relax.data.sample import Sample
+    from relax.rollout.rewards import RewardRunner
+
+    async def slow(args, sample):
+        await asyncio.sleep(0.02)
+        return 1.0
+
+    monkeypatch.setenv(timeline.TIMELINE_ENV, str(tmp_path))
+    timeline.set_role("rollout manager")
+    groups = [[Sample(index=4 * g + i, group_index=g, rollout_step=3, response_text="1") for i in range(2)]
+              for g in range(3)]
+
+    async def score_all(runner):
+        await asyncio.gather(*(runner.ascore(g, group_size=2, assign=True) for g in groups))
+        await runner.ascore(groups[0], group_size=2)  # after the others: lane 0 again
+
+    with RewardRunner(custom_fn=slow) as runner:
+        asyncio.run(score_all(runner))
+    doc = json.loads(timeline.merge(tmp_path).read_text())
+    spans = [s for s in check_chrome_trace(doc) if s["name"] == "reward"]
+    assert len(spans) == 4 and all(s["cat"] == "reward" for s in spans)
+    assert all(s["args"]["step"] == 3 and s["args"]["samples"] == 2 and s["args"]["errors"] == 0 for s in spans)
+    lanes = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    assert sorted(lanes[s["tid"]] for s in spans) == ["reward 0", "reward 0", "reward 1", "reward 2"]
+    assert_lanes_do_not_overlap(spans)
+
+
+def assert_lanes_do_not_overlap(spans: list[dict]) -> None:
+    """Spans of one track (process and thread or lane) follow each other or nest, as Perfetto draws them."""
+    by_track: dict[tuple, list[dict]] = {}
+    for s in spans:
+        by_track.setdefault((s["pid"], s["tid"]), []).append(s)
+    for track in by_track.values():
+        track.sort(key=lambda s: s["ts"])
+        for a, b in zip(track, track[1:]):
+            assert a["ts"] + a["dur"] <= b["ts"] + 1, (a, b)

@@ -48,6 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
+from relax.observability import timeline
 from relax.rollout.rewards.custom import CustomReward, load_custom_reward
 from relax.rollout.rewards.genrm import GENRM_TYPE, active_judge
 from relax.rollout.rewards.registry import get_reward_fn, resolve_rm_type
@@ -376,8 +377,25 @@ class RewardRunner:
         Returns rewards aligned with the flattened samples. With ``assign=True`` each
         sample's ``reward`` / ``raw_reward`` are set too (0.0 / None for failures).
         """
-        t0 = time.perf_counter()
         groups = self._groups(samples, group_size)
+        # --timeline-dump-dir: one span per call, i.e. per prompt group in a rollout (sglang_rollout scores each
+        # group as it finishes), not per sample: 512 spans a step for the embedded default would drown the trace.
+        first = groups[0][0] if groups and groups[0] else None
+        step = _field(first, "rollout_step") if first is not None else None
+        with timeline.lane_span("reward", "reward", step=step if isinstance(step, int) else None, cat="reward",
+                                reward=self._label(), samples=sum(len(g) for g in groups)) as span_args:
+            result = await self._ascore(groups, assign)
+            span_args["errors"] = result.num_errors
+        return result
+
+    def _label(self) -> str:
+        """The reward as a timeline span names it."""
+        if self.custom is not None:
+            return f"custom {self.custom.path}"
+        return str(self.rm_type)
+
+    async def _ascore(self, groups: list[list[Any]], assign: bool) -> RewardResult:
+        t0 = time.perf_counter()
         sem = asyncio.Semaphore(self.max_concurrency)
         coros = []
         start = 0
