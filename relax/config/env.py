@@ -14,12 +14,24 @@ TIMELINE_ENV = "RELAX_TIMELINE_DIR"
 # Variables of the controller's own environment that every worker gets too.
 PASSED_TO_WORKERS = (TIMELINE_ENV,)
 
+# Read by a library when it is imported, so needed in the driver's own environment too (relax-train sets them,
+# unless set already, before it imports the controller): Ray pickles TransferQueue's storage-unit actor class from
+# the driver, with the constants of the driver's module, so its TQ_NUM_THREADS is the driver's (8 when unset,
+# which makes every storage call warn that 8 exceeds the cores), whatever the storage unit's environment says.
+DRIVER_ENV = {"TQ_NUM_THREADS": "1"}
+
 BUILTIN_ENV = {
     "TQ_NUM_THREADS": "1",  # TransferQueue warns on every call without it
     "RAY_DEDUP_LOGS": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "OMP_NUM_THREADS": "1",
 }
+
+
+def apply_driver_env() -> None:
+    """DRIVER_ENV in this process's environment, where not set already."""
+    for name, value in DRIVER_ENV.items():
+        os.environ.setdefault(name, value)
 
 
 def default_env_yaml() -> Path | None:

@@ -27,6 +27,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None, held: HeldWarnings) -> int:
+    # Imported here, not at the top: relax.config imports Megatron, whose warnings `hold_warnings` has to catch.
+    from relax.config.env import apply_driver_env
+
+    apply_driver_env()  # before TransferQueue is imported (relax.config.env.DRIVER_ENV)
     from relax.config import ConfigError, parse_config
     from relax.config.explain import explain
     from relax.config.redact import redact_command
