@@ -88,6 +88,10 @@ def test_gpu_only_options_reach_megatrons_config_objects(tmp_path):
     assert optimizer_fields(opts) == {"exp_avg_dtype": torch.bfloat16, "optimizer_offload_fraction": 0.5}
     assert ddp_fields(opts) == {"fp8_param_gather": True}
     assert parallel_fields(opts) == {"use_sharp": True, "te_rng_tracker": True}
+    # Megatron-LM's flag names of the uneven pipeline stages -> megatron-core's fields
+    _, uneven = _settings(tmp_path, "--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "3")
+    assert transformer_fields(uneven.megatron_options, is_moe=False) == {"num_layers_in_first_pipeline_stage": 1,
+                                                                        "num_layers_in_last_pipeline_stage": 3}
 
 
 def test_cpu_options_reach_the_trainers_megatron_objects(tmp_path):

@@ -22,6 +22,11 @@ TRANSFORMER: frozenset[str] = frozenset({
     "deterministic_mode", "apply_query_key_layer_scaling", "clone_scatter_output_in_embedding",
     "distribute_saved_activations",
 })
+# Uneven pipeline stages (TransformerConfig fields Megatron's layer assignment reads; tests/test_megatron_pipeline_layout.py)
+PIPELINE: frozenset[str] = frozenset({
+    "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
+})
 # MoE TransformerConfig fields: passed for models with experts (Megatron ignores them for dense ones).
 TRANSFORMER_MOE: frozenset[str] = frozenset({
     "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_input_jitter_eps",
@@ -91,7 +96,7 @@ FLAG_NAMES: dict[str, str] = {
     "pin_cpu_grads": "--no-pin-cpu-grads", "pin_cpu_params": "--no-pin-cpu-params",
 }
 GPU_OPTIONS: frozenset[str] = TRANSFORMER_GPU | OPTIMIZER_GPU | frozenset(DDP_GPU) | PARALLEL_GPU
-CPU_OPTIONS: frozenset[str] = (TRANSFORMER | TRANSFORMER_MOE | OPTIMIZER | frozenset(DDP) | SCHEDULER | PARALLEL
+CPU_OPTIONS: frozenset[str] = (TRANSFORMER | PIPELINE | TRANSFORMER_MOE | OPTIMIZER | frozenset(DDP) | SCHEDULER | PARALLEL
                                | PROCESS | CHECKPOINT | MODEL | STEP | {"no_weight_decay_cond_type"})
 ALL_OPTIONS: frozenset[str] = GPU_OPTIONS | CPU_OPTIONS
 
@@ -129,6 +134,17 @@ def options_from_config(config: Any) -> tuple[tuple[str, Any], ...]:
 # Megatron's help of each flag above (its Megatron-LM 0.17 parser, else the megatron-core 0.16 field's docstring),
 # with what Relax counts differently; relax.config.help_text adds the GPU-only reason.
 OPTION_HELP: dict[str, str] = {
+    "decoder_first_pipeline_num_layers": ("The number of transformer layers on the first pipeline stage of the "
+                                          "decoder. Default None is even split of transformer layers across all "
+                                          "pipeline stages."),
+    "decoder_last_pipeline_num_layers": ("The number of transformer layers on the last pipeline stage of the decoder. "
+                                         "Default None is even split of transformer layers across all pipeline "
+                                         "stages."),
+    "account_for_embedding_in_pipeline_split": ("If set, *input* embedding layer will be treated as a standard "
+                                                "transformer layer in the context of partition and placement for "
+                                                "pipeline parallelism."),
+    "account_for_loss_in_pipeline_split": ("If set, loss layer will be treated as a standard transformer layer in "
+                                           "the context of partition and placement for pipeline parallelism."),
     "fp32_residual_connection": "Move residual connections to fp32.",
     "use_kitchen_attention": "Use coarse-grained kitchen attention (Megatron's NVIDIA Kitchen integration).",
     "kitchen_attention_backend": "The backend of kitchen attention (sdpa or fa).",

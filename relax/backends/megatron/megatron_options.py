@@ -21,6 +21,7 @@ from relax.config.megatron_options import (
     MODEL,
     OPTIMIZER,
     OPTIMIZER_GPU,
+    PIPELINE,
     PROCESS,
     PARALLEL,
     PARALLEL_GPU,
@@ -35,6 +36,10 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
 _DTYPE_FLAGS = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
 # Flags Megatron-LM parses as lists of one value per layer or per choice, that megatron-core 0.16 takes as a scalar.
 _SCALAR_OF_LIST = ("moe_aux_loss_coeff", "moe_router_load_balancing_type", "cp_comm_type")
+
+
+_RENAMED = {"decoder_first_pipeline_num_layers": "num_layers_in_first_pipeline_stage",
+            "decoder_last_pipeline_num_layers": "num_layers_in_last_pipeline_stage"}
 
 
 def _scalar(dest: str, value: Any) -> Any:
@@ -60,7 +65,10 @@ def require_cuda(options: Iterable[tuple[str, Any]]) -> None:
 def transformer_fields(options: Iterable[tuple[str, Any]], is_moe: bool) -> dict[str, Any]:
     """TransformerConfig fields (`to_transformer_config(**fields)`)."""
     options = tuple(options)
-    fields = _pick(options, TRANSFORMER | TRANSFORMER_GPU | (TRANSFORMER_MOE if is_moe else frozenset()))
+    fields = _pick(options, TRANSFORMER | PIPELINE | TRANSFORMER_GPU | (TRANSFORMER_MOE if is_moe else frozenset()))
+    for flag, field in _RENAMED.items():  # Megatron-LM's flag -> megatron-core's field
+        if flag in fields:
+            fields[field] = fields.pop(flag)
     if fields.get("cpu_offloading_num_layers"):
         fields["cpu_offloading"] = True  # Megatron-LM: --cpu-offloading-num-layers > 0 switches offloading on
     if "offload_modules" in fields:
