@@ -322,3 +322,43 @@ def test_ddp_num_buckets_and_the_weight_hash_check(tmp_path, monkeypatch):
     trainer.train_step(toy_samples(2, seed=3), toy_pg_loss)
     with pytest.raises(RuntimeError, match="differ across data-parallel replicas after optimizer step 4"):
         trainer.train_step(toy_samples(2, seed=4), toy_pg_loss)
+
+
+def test_process_group_options_reach_initialize_model_parallel(tmp_path, monkeypatch):
+    from megatron.core import parallel_state as ps
+
+    from relax.backends.megatron.megatron_options import parallel_fields
+    from relax.backends.megatron.parallel import init_model_parallel
+
+    _, settings = _settings(tmp_path, "--use-tp-pp-dp-mapping", "--disable-gloo-process-groups")
+    fields = parallel_fields(settings.megatron_options)
+    assert fields == {"order": "tp-cp-ep-pp-dp", "create_gloo_process_groups": False}
+    ensure_single_process()
+    seen = {}
+    monkeypatch.setattr(ps, "model_parallel_is_initialized", lambda: False)
+    monkeypatch.setattr(ps, "initialize_model_parallel", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.setattr("relax.backends.megatron.parallel.layout", lambda: None)
+    init_model_parallel(1, 1, seed=None, **fields)
+    assert seen["order"] == "tp-cp-ep-pp-dp" and seen["create_gloo_process_groups"] is False
+
+
+def test_a_trainer_without_gloo_groups_trains(tmp_path):
+    """--disable-gloo-process-groups: Megatron creates no gloo groups, and the (distributed) optimizer uses none."""
+    from megatron.core import parallel_state as ps
+
+    from relax.backends.megatron.parallel import destroy, init_distributed
+
+    ensure_single_process()
+    path = build_random_tiny_model(tmp_path / "m", "qwen2", seed=1)
+    _, settings = _settings(tmp_path, "--disable-gloo-process-groups")
+    destroy()
+    from relax.backends.megatron.testing import _free_port
+
+    init_distributed(0, 1, "127.0.0.1", _free_port(), backend="gloo")
+    try:
+        trainer = hf_trainer(path, lr=1e-3, use_distributed_optimizer=True, megatron_options=settings.megatron_options)
+        assert ps._DATA_PARALLEL_GROUP_GLOO is None
+        assert trainer.train_step(toy_samples(2, seed=1), toy_pg_loss)["grad_norm"] > 0
+    finally:
+        destroy()
+        ensure_single_process()

@@ -78,7 +78,7 @@ PARALLEL_GPU: frozenset[str] = frozenset({
     "use_sharp", "sharp_enabled_group", "high_priority_stream_groups", "nccl_communicator_config_path",
     "hierarchical_context_parallel_sizes", "te_rng_tracker",
 })
-PARALLEL: frozenset[str] = frozenset({"use_gloo_process_groups"})
+PARALLEL: frozenset[str] = frozenset({"use_gloo_process_groups", "use_tp_pp_dp_mapping"})
 # Process-wide Megatron switches Megatron-LM's initialisation applies (megatron.core.config.set_experimental_flag,
 # megatron.core.jit.disable_jit_fuser), and get_megatron_optimizer's dump of each parameter's group.
 # How the model is built (relax.backends.megatron.model.build_gpt_model): Megatron's --spec and --transformer-impl
@@ -134,6 +134,8 @@ def options_from_config(config: Any) -> tuple[tuple[str, Any], ...]:
 # Megatron's help of each flag above (its Megatron-LM 0.17 parser, else the megatron-core 0.16 field's docstring),
 # with what Relax counts differently; relax.config.help_text adds the GPU-only reason.
 OPTION_HELP: dict[str, str] = {
+    "use_tp_pp_dp_mapping": ("If set, distributed ranks initialize order is changed from tp-cp-ep-dp-pp to "
+                             "tp-cp-ep-pp-dp."),
     "decoder_first_pipeline_num_layers": ("The number of transformer layers on the first pipeline stage of the "
                                           "decoder. Default None is even split of transformer layers across all "
                                           "pipeline stages."),

@@ -105,6 +105,8 @@ def scheduler_fields(options: Iterable[tuple[str, Any]]) -> dict[str, Any]:
 def parallel_fields(options: Iterable[tuple[str, Any]]) -> dict[str, Any]:
     """`initialize_model_parallel` arguments (and te_rng_tracker, an argument of the RNG seeding)."""
     fields = _pick(options, PARALLEL | PARALLEL_GPU)
+    if fields.pop("use_tp_pp_dp_mapping", False):  # Megatron-LM's initialize: the other rank order
+        fields["order"] = "tp-cp-ep-pp-dp"
     if "use_gloo_process_groups" in fields:
         fields["create_gloo_process_groups"] = fields.pop("use_gloo_process_groups")
     for name in ("high_priority_stream_groups", "hierarchical_context_parallel_sizes"):
@@ -119,13 +121,17 @@ def option(options: Iterable[tuple[str, Any]], dest: str, default: Optional[Any]
 
 def apply_process_options(options: Iterable[tuple[str, Any]]) -> dict[str, Any]:
     """Apply the process-wide switches as Megatron-LM's initialisation does (--enable-experimental,
-    --disable-jit-fuser); returns get_megatron_optimizer's own arguments (--dump-param-to-param-group-map)."""
+    --disable-jit-fuser); returns get_megatron_optimizer's own arguments (--dump-param-to-param-group-map, and
+    --disable-gloo-process-groups, which Megatron-LM passes to it as well)."""
     fields = _pick(options, PROCESS)
     if fields.get("enable_experimental"):
         set_experimental_flag(True)
     if fields.get("disable_jit_fuser"):
         disable_jit_fuser()
-    return {k: v for k, v in fields.items() if k == "dump_param_to_param_group_map"}
+    out = {k: v for k, v in fields.items() if k == "dump_param_to_param_group_map"}
+    if option(options, "use_gloo_process_groups", True) is False:  # the optimizer's groups are the ones created
+        out["use_gloo_process_groups"] = False
+    return out
 
 
 def local_layers(options: Iterable[tuple[str, Any]]) -> bool:

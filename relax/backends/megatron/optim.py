@@ -73,6 +73,7 @@ def build_optimizer(
     sgd_momentum: float = 0.9,
     gpu_features: tuple[str, ...] = (),
     dump_param_to_param_group_map: Optional[str] = None,
+    use_gloo_process_groups: bool = True,
     **optimizer_overrides: Any,
 ):
     """`get_megatron_optimizer` with `optimizer` (adam: AdamW with decoupled weight decay, as Megatron; sgd:
@@ -102,8 +103,10 @@ def build_optimizer(
         use_distributed_optimizer=use_distributed_optimizer,
         **{"initial_loss_scale": initial_loss_scale, **optimizer_overrides},
     )
-    dump = {} if dump_param_to_param_group_map is None else {"dump_param_to_param_group_map": dump_param_to_param_group_map}
-    optimizer = get_megatron_optimizer(config, [ddp_model], **dump)
+    call: dict[str, Any] = {} if use_gloo_process_groups else {"use_gloo_process_groups": False}
+    if dump_param_to_param_group_map is not None:
+        call["dump_param_to_param_group_map"] = dump_param_to_param_group_map
+    optimizer = get_megatron_optimizer(config, [ddp_model], **call)
     transformer_config.grad_scale_func = optimizer.scale_loss
     return optimizer
 
