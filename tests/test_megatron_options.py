@@ -178,6 +178,12 @@ def test_init_and_decoupled_lr_change_the_model_and_its_param_groups(tmp_path):
         assert {g["max_lr"] for g in groups} == {1e-3, 0.5}  # the embedding and output layer get --decoupled-lr
         assert {g["min_lr"] for g in groups} == {0.0, 0.1}
     assert stds[0.02] == pytest.approx(0.02, rel=0.2) and stds[0.5] == pytest.approx(0.5, rel=0.2)
+    # Xavier's uniform init: within +-sqrt(6 / (fan_in + fan_out)), and about that bound / sqrt(3) in std
+    _, xavier = _settings(tmp_path, "--init-method-xavier-uniform")
+    trainer = MegatronTrainer(arch, TrainerSettings(lr=1e-3, megatron_options=xavier.megatron_options))
+    weight = trainer.gpt_model.decoder.layers[0].mlp.linear_fc1.weight.detach().float()
+    bound = (6.0 / sum(weight.shape)) ** 0.5
+    assert float(weight.abs().max()) <= bound and float(weight.std()) == pytest.approx(bound / 3**0.5, rel=0.2)
 
 
 def test_fp16_loss_scale_flags_build_megatrons_scaler(tmp_path):

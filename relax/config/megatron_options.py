@@ -18,6 +18,7 @@ from typing import Any
 TRANSFORMER: frozenset[str] = frozenset({
     # initialisation of a model built without --hf-checkpoint / --load
     "init_method_std", "embedding_init_method_std", "perform_initialization", "use_cpu_initialization",
+    "init_method_xavier_uniform",
     # numerics of the layers
     "deterministic_mode", "apply_query_key_layer_scaling", "clone_scatter_output_in_embedding",
     "distribute_saved_activations",
@@ -134,6 +135,7 @@ def options_from_config(config: Any) -> tuple[tuple[str, Any], ...]:
 # Megatron's help of each flag above (its Megatron-LM 0.17 parser, else the megatron-core 0.16 field's docstring),
 # with what Relax counts differently; relax.config.help_text adds the GPU-only reason.
 OPTION_HELP: dict[str, str] = {
+    "init_method_xavier_uniform": "Enable Xavier uniform parameter initialization.",
     "use_tp_pp_dp_mapping": ("If set, distributed ranks initialize order is changed from tp-cp-ep-dp-pp to "
                              "tp-cp-ep-pp-dp."),
     "decoder_first_pipeline_num_layers": ("The number of transformer layers on the first pipeline stage of the "

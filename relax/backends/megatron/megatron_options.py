@@ -66,6 +66,8 @@ def transformer_fields(options: Iterable[tuple[str, Any]], is_moe: bool) -> dict
     """TransformerConfig fields (`to_transformer_config(**fields)`)."""
     options = tuple(options)
     fields = _pick(options, TRANSFORMER | PIPELINE | TRANSFORMER_GPU | (TRANSFORMER_MOE if is_moe else frozenset()))
+    if fields.pop("init_method_xavier_uniform", False):  # Megatron-LM: both init functions become Xavier's
+        fields["init_method"] = fields["output_layer_init_method"] = torch.nn.init.xavier_uniform_
     for flag, field in _RENAMED.items():  # Megatron-LM's flag -> megatron-core's field
         if flag in fields:
             fields[field] = fields.pop(flag)
