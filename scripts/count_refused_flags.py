@@ -51,10 +51,20 @@ def refused() -> tuple[dict[str, list[str]], dict[str, list[str]]]:
     return megatron, relax
 
 
+def categories() -> dict[str, int]:
+    """How many mirrored Megatron flags are in each category."""
+    parser, _ = build_parser(use_megatron_parser=False)
+    mirror = {row[2] for row in ROWS} & set(actions_by_dest(parser))
+    return {"built": len(mirror & (IMPLEMENTED - GPU_ONLY_FEATURES)), "GPU-only": len(mirror & GPU_ONLY_FEATURES),
+            "no effect (warned)": len(mirror & set(NO_EFFECT_REASONS)),
+            "refused": len(mirror - IMPLEMENTED - GPU_ONLY_FEATURES - set(NO_EFFECT_REASONS)), "all": len(mirror)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-v", "--verbose", action="store_true", help="list each refused flag")
     args = ap.parse_args()
+    print("Megatron flags by category: " + ", ".join(f"{k} {n}" for k, n in categories().items()))
     megatron, relax = refused()
     for title, groups in (("Megatron flags", megatron), ("Relax flags", relax)):
         counts = Counter({g: len(d) for g, d in groups.items()})

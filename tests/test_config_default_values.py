@@ -64,7 +64,7 @@ def _unbuilt_flags_at_default():
 
 def test_every_unbuilt_flag_at_its_default_is_accepted(tmp_path):
     argv, _ = _unbuilt_flags_at_default()
-    assert "--moe-aux-loss-coeff" in argv and len(argv) > 200
+    assert "--rotary-percent" in argv and len(argv) > 200
     cfg = parse_config(argv + ["--output-dir", str(tmp_path), "--dry-run"])
     parser, _ = build_parser()
     given = {a.dest for a in actions_by_dest(parser).values() if a.option_strings[0] in argv}
@@ -79,10 +79,10 @@ def test_moe_aux_loss_coeff_zero_is_supported(tmp_path):
 
 
 def test_non_default_values_are_still_refused(tmp_path):
-    cfg = parse_config(["--moe-aux-loss-coeff", "0.01", "--output-dir", str(tmp_path)])
-    assert unsupported_flags(cfg) == ["--moe-aux-loss-coeff"]
-    cfg = parse_config(["--moe-aux-loss-coeff", "0", "0.01", "--output-dir", str(tmp_path)])
-    assert unsupported_flags(cfg) == ["--moe-aux-loss-coeff"]
+    cfg = parse_config(["--muon-momentum", "0.8", "--output-dir", str(tmp_path)])
+    assert unsupported_flags(cfg) == ["--muon-momentum"]
+    cfg = parse_config(["--iterations-to-skip", "3", "--output-dir", str(tmp_path)])
+    assert unsupported_flags(cfg) == ["--iterations-to-skip"]
 
 
 def test_same_value_compares_by_value():

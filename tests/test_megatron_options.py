@@ -368,3 +368,13 @@ def test_a_trainer_without_gloo_groups_trains(tmp_path):
     finally:
         destroy()
         ensure_single_process()
+
+
+def test_exit_on_missing_checkpoint_stops_before_ray(tmp_path):
+    base = ["--output-dir", str(tmp_path), "--load", str(tmp_path / "ckpt")]
+    with pytest.raises(ConfigError, match="holds no checkpoint .*--exit-on-missing-checkpoint"):
+        parse_config(base + ["--exit-on-missing-checkpoint"])
+    parse_config(base)  # without the flag a fresh --load starts from the initial weights
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("3")
+    assert unsupported_flags(parse_config(base + ["--exit-on-missing-checkpoint"])) == []

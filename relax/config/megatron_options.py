@@ -87,6 +87,8 @@ PARALLEL: frozenset[str] = frozenset({"use_gloo_process_groups", "use_tp_pp_dp_m
 MODEL: frozenset[str] = frozenset({"spec", "transformer_impl", "custom_model_provider_path"})
 # What a checkpoint holds and restores (relax.backends.megatron.checkpoint).
 CHECKPOINT: frozenset[str] = frozenset({"no_save_rng", "no_load_rng"})
+# Checked before Ray (relax.config.rules_training.check_exit_on_missing_checkpoint), not passed to the trainer.
+CONFIG_ONLY: frozenset[str] = frozenset({"exit_on_missing_checkpoint"})
 # Checks after each optimizer step (relax.backends.megatron.megatron_options.check_weight_hashes).
 STEP: frozenset[str] = frozenset({"check_weight_hash_across_dp_replicas_interval"})
 PROCESS: frozenset[str] = frozenset({"enable_experimental", "disable_jit_fuser", "dump_param_to_param_group_map"})
@@ -98,7 +100,7 @@ FLAG_NAMES: dict[str, str] = {
 }
 GPU_OPTIONS: frozenset[str] = TRANSFORMER_GPU | OPTIMIZER_GPU | frozenset(DDP_GPU) | PARALLEL_GPU
 CPU_OPTIONS: frozenset[str] = (TRANSFORMER | PIPELINE | TRANSFORMER_MOE | OPTIMIZER | frozenset(DDP) | SCHEDULER | PARALLEL
-                               | PROCESS | CHECKPOINT | MODEL | STEP | {"no_weight_decay_cond_type"})
+                               | PROCESS | CHECKPOINT | MODEL | STEP | CONFIG_ONLY | {"no_weight_decay_cond_type"})
 ALL_OPTIONS: frozenset[str] = GPU_OPTIONS | CPU_OPTIONS
 
 def _plain(value: Any) -> Any:
@@ -135,6 +137,9 @@ def options_from_config(config: Any) -> tuple[tuple[str, Any], ...]:
 # Megatron's help of each flag above (its Megatron-LM 0.17 parser, else the megatron-core 0.16 field's docstring),
 # with what Relax counts differently; relax.config.help_text adds the GPU-only reason.
 OPTION_HELP: dict[str, str] = {
+    "exit_on_missing_checkpoint": ("If '--load' is set, but checkpoint is not found (e.g., path typo), then exit "
+                                   "instead of random initialization (Relax: instead of starting from the initial "
+                                   "weights)."),
     "init_method_xavier_uniform": "Enable Xavier uniform parameter initialization.",
     "use_tp_pp_dp_mapping": ("If set, distributed ranks initialize order is changed from tp-cp-ep-dp-pp to "
                              "tp-cp-ep-pp-dp."),

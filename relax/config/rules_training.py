@@ -4,6 +4,7 @@ validate.py runs every function listed in RULES after its own rules."""
 import json
 from pathlib import Path
 
+from relax.backends.megatron.checkpoint_layout import MARKER, latest_iteration
 from relax.config.errors import ConfigError
 
 
@@ -227,6 +228,15 @@ def check_context_parallel(v: dict, explicit) -> None:
                           "yet; context parallelism is built for dense models")
 
 
+def check_exit_on_missing_checkpoint(v: dict, explicit) -> None:
+    """--exit-on-missing-checkpoint: with --load naming no checkpoint (no marker file), stop instead of starting from
+    the initial weights, as Megatron-LM does; before Ray."""
+    load = v.get("load")
+    if v.get("exit_on_missing_checkpoint") and load and latest_iteration(load) is None:
+        raise ConfigError(f"--load {load} holds no checkpoint ({MARKER} is missing) and --exit-on-missing-checkpoint "
+                          "says to stop rather than start from the initial weights")
+
+
 RULES: tuple = (check_reference, check_corrections, check_critic, check_opd, check_train_data, check_old_policy,
                  check_routing_replay, check_opd_sglang, check_sequence_parallel, check_expert_parallel,
-                 check_context_parallel)
+                 check_context_parallel, check_exit_on_missing_checkpoint)
