@@ -1,0 +1,148 @@
+"""Start-up of relax-train: launch to the first rollout request, cold and warm (issue 13's target: under 20 s
+for the embedded default, under 25 s for SmolLM2-135M on a 2-core machine).
+
+    .venv/bin/python benchmarks/startup_bench.py                    # both models, cold then warm
+    .venv/bin/python benchmarks/startup_bench.py --only embedded --warm-runs 2
+
+Each run is `relax-train ... --num-rollout 1 --timeline-dump-dir DIR` in a subprocess. Launch is the moment
+just before the subprocess starts; the times after it come from the run's timeline (wall clock):
+  first request  the start of the rollout manager's first "generate and reward" span: the step's rollout
+                 request, sent once the trainer, reference, engines and data plane are up
+  first token    the start of the first "generate" span of an engine (its first batch of requests)
+  step 0 end     the end of the controller's "step 0" span
+  exit           the subprocess's end (shutdown included)
+
+Cold and warm:
+  embedded  cold: RELAX_EMBEDDED_CACHE is a new empty folder, so the tiny model, its warm start and the task
+            are built (~3 s of CPU); warm: the same folder again, so they are copied from it.
+  smollm2   SmolLM2-135M-Instruct's weights cannot be downloaded on this machine (no model hub), so the
+            benchmark builds a model of its exact shape (the config below: Llama, 30 layers, hidden 576, 9
+            heads, 3 KV heads, vocabulary 49152, tied embeddings; ~135M parameters) with random weights in float32
+            safetensors, as scripts/convert_smollm2.py writes the real one, and the embedded default's byte-level
+            tokenizer and ChatML template (the tokenizer does not change start-up work). Cold: the first run after
+            the folder is written; warm: the runs after it. Flags as examples/smollm2/run.sh.
+Start-up is CPU-bound (~8 processes importing torch, Megatron and TransferQueue on the machine's cores): the
+numbers depend on the load, which the benchmark prints (`os.getloadavg`) before each run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from relax.models.tasks import generate_task_dataset
+from relax.models.tiny import TinyArch, build_byte_tokenizer, build_hf_config
+from relax.observability.timeline import read_spans
+
+# HuggingFaceTB/SmolLM2-135M-Instruct's config.json, less what does not change the work (token ids).
+SMOLLM2_135M = TinyArch(family="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                        rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+SMOLLM2_VOCAB = 49152
+
+
+def build_smollm2_shaped(path: Path, seed: int = 0) -> Path:
+    """A randomly initialised model of SmolLM2-135M's shape in `path` (see the module docstring)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    tokenizer = build_byte_tokenizer()
+    config = build_hf_config(SMOLLM2_135M, SMOLLM2_VOCAB)
+    config.eos_token_id = tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    config.bos_token_id = None
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
+                                               pad_token_id=tokenizer.pad_token_id)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    print(f"built a SmolLM2-135M-shaped model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters "
+          f"in {path}", flush=True)
+    return path
+
+
+def smollm2_flags(model: Path, data: Path) -> list[str]:
+    """examples/smollm2/run.sh's flags."""
+    return ["--hf-checkpoint", str(model), "--prompt-data", str(data), "--input-key", "input", "--label-key", "label",
+            "--apply-chat-template", "--custom-rm-path", "relax.models.tasks.number_match_rm",
+            "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "48",
+            "--rollout-temperature", "1.0", "--micro-batch-size", "4", "--lr", "1e-6", "--lr-decay-style", "constant",
+            "--distributed-backend", "gloo"]
+
+
+def timed_run(out: Path, flags: list[str], env: dict[str, str]) -> dict[str, float]:
+    """One 1-step run; seconds from launch to each moment of the module docstring."""
+    timeline_dir = out / "timeline"
+    cmd = [sys.executable, "-m", "relax.entrypoints.train", "--output-dir", str(out), "--num-rollout", "1",
+           "--timeline-dump-dir", str(timeline_dir), *flags]
+    load = os.getloadavg()[0]
+    launched = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
+    ended = time.time()
+    if proc.returncode != 0:  # reported, and the other runs still measured
+        failed = [line for line in proc.stderr.splitlines() if "run failed" in line] or proc.stderr.splitlines()[-1:]
+        print(f"run failed ({proc.returncode}): {failed[0] if failed else ''}", flush=True)
+        nan = float("nan")
+        return {"load": load, "first request": nan, "first token": nan, "step 0 end": nan, "exit": ended - launched}
+    spans = read_spans(timeline_dir)
+
+    def first(pred) -> float:
+        starts = [s["ts"] / 1e6 for s in spans if pred(s)]
+        return min(starts) - launched if starts else float("nan")
+
+    step0 = [s for s in spans if s["name"] == "step 0"]
+    return {
+        "load": load,
+        "first request": first(lambda s: s["name"] == "generate and reward"),
+        "first token": first(lambda s: s["name"] == "generate" and s["cat"] == "engine"),
+        "step 0 end": (step0[0]["ts"] + step0[0]["dur"]) / 1e6 - launched if step0 else float("nan"),
+        "exit": ended - launched,
+    }
+
+
+def show(name: str, kind: str, t: dict[str, float]) -> None:
+    print(f"{name:9s} {kind:5s} load {t['load']:5.2f}  first request {t['first request']:6.1f} s  first token "
+          f"{t['first token']:6.1f} s  step 0 end {t['step 0 end']:6.1f} s  exit {t['exit']:6.1f} s", flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", choices=("embedded", "smollm2"), default=None)
+    p.add_argument("--warm-runs", type=int, default=1, help="warm runs after the cold one (default 1)")
+    p.add_argument("--json", default=None, help="also write the results to this file")
+    p.add_argument("--keep", default=None, help="run in this folder and keep it (logs of each run); default: a "
+                   "temporary folder")
+    args = p.parse_args()
+    results: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="relax-startup-") as tmp:
+        tmp = Path(args.keep or tmp)
+        if args.only in (None, "embedded"):
+            env = {"RELAX_EMBEDDED_CACHE": str(tmp / "embedded-cache")}
+            for i in range(1 + args.warm_runs):
+                kind = "cold" if i == 0 else "warm"
+                t = timed_run(tmp / f"embedded-{i}", [], env)
+                show("embedded", kind, t)
+                results.append({"model": "embedded", "kind": kind, **t})
+        if args.only in (None, "smollm2"):
+            model = build_smollm2_shaped(tmp / "smollm2-135m-shaped")
+            data = generate_task_dataset(tmp / "word_arith.jsonl", 64, 0, task="word_arith")
+            for i in range(1 + args.warm_runs):
+                kind = "cold" if i == 0 else "warm"
+                t = timed_run(tmp / f"smollm2-{i}", smollm2_flags(model, Path(data)), {})
+                show("smollm2", kind, t)
+                results.append({"model": "smollm2-135m-shaped", "kind": kind, **t})
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
