@@ -264,8 +264,9 @@ NOT_BUILT: dict[str, tuple[str, frozenset[str]]] = {
             "min_offloaded_tensor_size", "clone_scatter_output_in_embedding", "distribute_saved_activations",
         })),
     "muon optimizer and QK-clip": (
-        "megatron-core 0.16.1's get_megatron_optimizer builds adam and sgd only (--optimizer muon needs a newer "
-        "Megatron); the learning-rate, loss-scale and weight-decay options are built",
+        "megatron-core 0.16.1's Muon (get_megatron_muon_optimizer) needs NVIDIA's emerging_optimizers package, which "
+        "cannot be installed here (PyPI holds only a placeholder of that name); the learning-rate, loss-scale and "
+        "weight-decay options are built",
         frozenset({
             "lr_wsd_decay_style", "lr_decay_samples", "lr_wsd_decay_iters", "lr_wsd_decay_samples",
             "lr_warmup_fraction", "lr_warmup_samples", "override_opt_param_scheduler",

@@ -84,7 +84,8 @@ TRAINING_SUPPORTED_VALUES: dict[str, frozenset] = {
     "position_embedding_type": frozenset({"rope"}),
     # micro-batches of varying length: only the all-to-all dispatcher (relax.backends.megatron.arch)
     "moe_token_dispatcher_type": frozenset({"alltoall"}),
-    # megatron-core 0.16's get_megatron_optimizer builds adam and sgd; muon and lion need a newer Megatron
+    # megatron-core 0.16's get_megatron_optimizer builds adam and sgd; its Muon needs NVIDIA's emerging_optimizers
+    # package (not installable here); lion needs a newer Megatron
     "optimizer": frozenset({"adam", "sgd"}),
     # inference_optimized is Megatron's inference-only layer set (relax.config.megatron_options.MODEL)
     "transformer_impl": frozenset({"transformer_engine", "local"}),
