@@ -378,3 +378,29 @@ def test_exit_on_missing_checkpoint_stops_before_ray(tmp_path):
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("3")
     assert unsupported_flags(parse_config(base + ["--exit-on-missing-checkpoint"])) == []
+
+
+def _dp_random_init_rank(rank, world, path):
+    from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
+
+    out = {}
+    for name, options in (("plain", ()), ("seeded", (("data_parallel_random_init", True),))):
+        trainer = MegatronTrainer(hf_arch(path), TrainerSettings(lr=1e-3, megatron_options=options))
+        out[name] = {"weight": trainer.gpt_model.decoder.layers[0].mlp.linear_fc1.weight.detach().clone(),
+                     "draw": torch.rand(4)}
+    return out
+
+
+def test_data_parallel_random_init_seeds_each_rank_and_broadcasts_the_weights(tmp_path):
+    """--data-parallel-random-init on DP 2 over gloo: each rank its own seed (its random stream differs), the same
+    weights on both (the first rank's, broadcast), as Megatron-LM does."""
+    from relax.backends.megatron.testing import run_ranks
+
+    path = build_random_tiny_model(tmp_path / "m", "qwen2", seed=1)
+    ranks = run_ranks(_dp_random_init_rank, 2, str(path), timeout=240)
+    plain, seeded = [r["plain"] for r in ranks], [r["seeded"] for r in ranks]
+    assert torch.equal(plain[0]["draw"], plain[1]["draw"])  # one seed for every data-parallel rank
+    assert not torch.equal(seeded[0]["draw"], seeded[1]["draw"])
+    # rank 1 initialised from its own seed, then took rank 0's weights (rank 0's seed is the plain one)
+    assert torch.equal(seeded[0]["weight"], seeded[1]["weight"])
+    assert torch.equal(seeded[1]["weight"], plain[0]["weight"])

@@ -79,7 +79,7 @@ PARALLEL_GPU: frozenset[str] = frozenset({
     "use_sharp", "sharp_enabled_group", "high_priority_stream_groups", "nccl_communicator_config_path",
     "hierarchical_context_parallel_sizes", "te_rng_tracker",
 })
-PARALLEL: frozenset[str] = frozenset({"use_gloo_process_groups", "use_tp_pp_dp_mapping"})
+PARALLEL: frozenset[str] = frozenset({"use_gloo_process_groups", "use_tp_pp_dp_mapping", "data_parallel_random_init"})
 # Process-wide Megatron switches Megatron-LM's initialisation applies (megatron.core.config.set_experimental_flag,
 # megatron.core.jit.disable_jit_fuser), and get_megatron_optimizer's dump of each parameter's group.
 # How the model is built (relax.backends.megatron.model.build_gpt_model): Megatron's --spec and --transformer-impl
@@ -137,6 +137,7 @@ def options_from_config(config: Any) -> tuple[tuple[str, Any], ...]:
 # Megatron's help of each flag above (its Megatron-LM 0.17 parser, else the megatron-core 0.16 field's docstring),
 # with what Relax counts differently; relax.config.help_text adds the GPU-only reason.
 OPTION_HELP: dict[str, str] = {
+    "data_parallel_random_init": "Enable random initialization of params across data parallel ranks.",
     "exit_on_missing_checkpoint": ("If '--load' is set, but checkpoint is not found (e.g., path typo), then exit "
                                    "instead of random initialization (Relax: instead of starting from the initial "
                                    "weights)."),

@@ -187,9 +187,8 @@ NOT_BUILT: dict[str, tuple[str, frozenset[str]]] = {
             "transformer_impl", "use_legacy_models", "mtp_num_layers", "mtp_loss_scaling_factor", "mtp_standalone",
             })),
     "model initialisation": (
-        "not built yet (--init-method-std, --init-method-xavier-uniform and the other init settings are): "
-        "data-parallel random init needs per-rank seeds and a broadcast of the weights, meta-device init needs "
-        "Megatron FSDP to materialise them",
+        "meta-device init needs Megatron FSDP to materialise the weights (--init-method-std, "
+        "--init-method-xavier-uniform, --data-parallel-random-init and the other init settings are built)",
         frozenset({
             "perform_initialization", "use_cpu_initialization", "init_method_std", "embedding_init_method_std",
             "init_model_with_meta_device", "init_method_xavier_uniform", "data_parallel_random_init",

@@ -94,6 +94,8 @@ def ddp_fields(options: Iterable[tuple[str, Any]]) -> dict[str, Any]:
     """DistributedDataParallelConfig fields (and `num_buckets`, which `wrap_ddp` turns into a bucket size)."""
     table = {**DDP, **DDP_GPU}
     fields = {table[dest]: value for dest, value in _pick(options, table).items()}
+    if option(options, "data_parallel_random_init"):  # the ranks' own inits, then the first one's weights
+        fields["broadcast_params"] = True
     if "grad_reduce_in_fp32" in fields:
         fields["grad_reduce_in_fp32"] = not fields["grad_reduce_in_fp32"]
     return fields

@@ -14,7 +14,7 @@ OPTIMIZER_GPU_FEATURES = ("optimizer_cpu_offload", "overlap_cpu_optimizer_d2h_h2
 
 
 def wrap_ddp(model: torch.nn.Module, transformer_config, *, use_distributed_optimizer: bool, align_grad_reduce: bool = True,
-             num_buckets: Optional[int] = None, **ddp_overrides: Any):
+             num_buckets: Optional[int] = None, broadcast_params: bool = False, **ddp_overrides: Any):
     """Wrap a GPTModel in Megatron's DDP (contiguous grad buffers, `main_grad`).
 
     Also points the config at `finalize_model_grads`, which all-reduces
@@ -25,6 +25,8 @@ def wrap_ddp(model: torch.nn.Module, transformer_config, *, use_distributed_opti
     it) and, with `align_grad_reduce` (--no-align-grad-reduce turns it off), pipeline schedules start each
     stage's reduce together.
     `num_buckets` (--ddp-num-buckets) sets the bucket size to the model's parameter count over it, as Megatron-LM.
+    `broadcast_params` (--data-parallel-random-init): every data-parallel rank takes the first one's weights, as
+    Megatron-LM does after initialising each with its own seed.
     """
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -47,6 +49,8 @@ def wrap_ddp(model: torch.nn.Module, transformer_config, *, use_distributed_opti
         config=transformer_config, ddp_config=ddp_config, module=model
     )
     transformer_config.finalize_model_grads_func = finalize_model_grads
+    if broadcast_params:
+        wrapped.broadcast_params()
     if ddp_config.overlap_grad_reduce:
         transformer_config.no_sync_func = wrapped.no_sync
         if align_grad_reduce:

@@ -97,6 +97,7 @@ def init_model_parallel(
     timeout_minutes: float = 30.0,
     seed: Optional[int] = 1234,
     te_rng_tracker: bool = False,
+    data_parallel_random_init: bool = False,
     **group_options: Any,
 ) -> ParallelLayout:
     """Initialise Megatron's parallel state over the default group, then `seed_all(seed)`.
@@ -104,7 +105,8 @@ def init_model_parallel(
     Re-initialising with the same sizes only re-seeds; other sizes raise.
     `seed=None` leaves the random state alone. `group_options`: further arguments of Megatron's
     `initialize_model_parallel` (relax.backends.megatron.megatron_options.parallel_fields); `te_rng_tracker`:
-    Transformer Engine's RNG tracker (--te-rng-tracker).
+    Transformer Engine's RNG tracker (--te-rng-tracker); `data_parallel_random_init`: a seed per data-parallel rank
+    (--data-parallel-random-init).
     """
     from megatron.core import parallel_state as ps
 
@@ -134,11 +136,11 @@ def init_model_parallel(
             **group_options,
         )
     if seed is not None:
-        seed_all(seed, te_rng_tracker=te_rng_tracker)
+        seed_all(seed, te_rng_tracker=te_rng_tracker, data_parallel_random_init=data_parallel_random_init)
     return layout()
 
 
-def seed_all(seed: int, te_rng_tracker: bool = False) -> None:
+def seed_all(seed: int, te_rng_tracker: bool = False, data_parallel_random_init: bool = False) -> None:
     """Seed Python, NumPy, torch and Megatron's RNG tracker as Megatron-LM does.
 
     Pipeline stages get different streams (seed + 100 * pp_rank); within a
@@ -150,6 +152,8 @@ def seed_all(seed: int, te_rng_tracker: bool = False) -> None:
 
     apply_cpu_compat()
     seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    if data_parallel_random_init:  # Megatron-LM: each data-parallel rank its own seed (the weights are broadcast)
+        seed += 10 * ps.get_data_parallel_rank()
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
