@@ -46,7 +46,8 @@ def shared_ray():
         path = os.pathsep.join([str(ROOT / "tests"), str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
         ray.init(num_cpus=SHARED_RAY_CPUS, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {**worker_env(), ENGINE_API_KEY_ENV: ensure_engine_api_key(),
-                                           "PYTHONPATH": path}})
+                                           "PYTHONPATH": path}},
+                 _system_config={"prestart_worker_first_driver": False})  # as the controller's (no idle workers)
     return ray
 
 
