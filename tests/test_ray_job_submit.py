@@ -248,8 +248,13 @@ def test_submitted_run_spans_both_nodes_and_succeeds(cluster, tmp_path):
         f"job {info['status']} ({info.get('message')}); submit said: {proc.stdout[-3000:]}{proc.stderr[-2000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "step" in r] == [0]
-    # the driver's console (the job's log) holds Relax's lines only, the libraries' output is in relax.log
-    assert_console_clean(_job_logs(cluster, "relax-two-nodes"), (out / "logs" / "relax.log").read_text())
+    # The driver's console holds Relax's lines only, the libraries' output is in relax.log. The driver's console
+    # is the job's log after the job supervisor's own lines (Ray's: runtime env set-up, the entrypoint it runs).
+    logs = _job_logs(cluster, "relax-two-nodes")
+    marker = "Running entrypoint for job relax-two-nodes: "
+    assert marker in logs, logs[-3000:]
+    driver_console = logs.split(marker, 1)[1].partition("\n")[2]
+    assert_console_clean(driver_console, (out / "logs" / "relax.log").read_text())
 
     actors = cluster.state("actors", job_id=info["job_id"])
     nodes = cluster.nodes()
