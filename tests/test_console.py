@@ -141,3 +141,18 @@ def test_worker_setup_hook_gives_relax_records_the_driver_shape(capsys, monkeypa
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and console.RELAX_RECORD.match(err[0]) and err[0].endswith("an engine was replaced")
     assert not foreign_lines("\n".join(err))
+
+
+def test_on_a_terminal_the_bar_is_redrawn_in_place_and_cleared_before_other_lines(log_file):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    path, handler = log_file
+    screen = Terminal()
+    out = console.WorkerOutput(handler, console=screen)
+    out(_batch(["rollout 0:   0%|          | 0/512", "rollout 0:  50%|#####     | 256/512"], actor="RolloutManager"))
+    out(_batch(["2026-12-02 17:40:00,001 relax.roles.rollout WARNING an engine was replaced"], actor="RolloutManager"))
+    out.close()
+    assert screen.getvalue() == ("\rrollout 0:   0%|          | 0/512\x1b[K\rrollout 0:  50%|#####     | 256/512\x1b[K"
+                                 "\r\x1b[K2026-12-02 17:40:00,001 relax.roles.rollout WARNING an engine was replaced\n")
