@@ -111,3 +111,27 @@ def test_wait_http_ok_errors():
         wait_http_ok(f"http://127.0.0.1:{port}/health", timeout_s=0.5, interval_s=0.1)
     with pytest.raises(RuntimeError, match="exited"):
         wait_http_ok(f"http://127.0.0.1:{port}/health", timeout_s=5, alive=lambda: False)
+
+
+def test_router_on_a_port_taken_since_it_was_picked_starts_on_another():
+    """A port Relax picked itself can be taken by another process before the router binds it (a busy host): the
+    router is started again on fresh ports, not the run failed with "Address already in use"."""
+    import socket
+
+    from relax.backends.sglang.router import RouterProcess
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        busy = taken.getsockname()[1]
+        router = RouterProcess()
+        router.port = busy  # as if another process bound the picked port after the probe
+        router.cmd = router._wrapped(router._command())
+        try:
+            router.start(timeout_s=30)
+            assert router.port != busy and router.is_alive()
+            assert "Address already in use" in router.log_tail()  # the first attempt met the clash
+        finally:
+            router.stop()
+    explicit = RouterProcess(port=busy)  # a port the user chose is never changed behind their back
+    assert not explicit._ports_chosen

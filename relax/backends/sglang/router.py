@@ -89,25 +89,36 @@ class RouterProcess(ManagedProcess):
         self.policy = policy
         self.request_timeout_s = request_timeout_s
         self._legacy_api: bool | None = None
-        cmd = build_router_command(host, self.port, policy, extra_args, worker_urls)
-        super().__init__(
-            with_parent_watchdog(cmd) if exit_with_parent else cmd,
-            log_path=log_path,
-            name=f"router-{self.port}",
-        )
+        # Ports Relax picked itself (a free port is only free until someone else binds it: on a busy host
+        # another process can take it between the probe and the router's bind) are picked again on a clash.
+        self._ports_chosen = not port and "--prometheus-port" not in _extra_args_to_cli(extra_args)
+        self._command = lambda: build_router_command(host, self.port, policy, extra_args, worker_urls)
+        self._exit_with_parent = exit_with_parent
+        super().__init__(self._wrapped(self._command()), log_path=log_path, name=f"router-{self.port}")
+
+    def _wrapped(self, cmd: list[str]) -> list[str]:
+        return with_parent_watchdog(cmd) if self._exit_with_parent else cmd
 
     @property
     def url(self) -> str:
         return f"http://{url_host(self.host)}:{self.port}"
 
-    def start(self, timeout_s: float = 30.0) -> "RouterProcess":  # type: ignore[override]
-        super().start()
-        try:
-            wait_http_ok(self.url + "/health", timeout_s, alive=self.is_alive)
-        except (TimeoutError, RuntimeError) as exc:
-            self.stop()
-            raise RouterError(f"sglang-router did not start: {exc}\n--- log tail ---\n{self.log_tail()}") from None
-        return self
+    def start(self, timeout_s: float = 30.0, port_attempts: int = 3) -> "RouterProcess":  # type: ignore[override]
+        for attempt in range(port_attempts):
+            super().start()
+            try:
+                wait_http_ok(self.url + "/health", timeout_s, alive=self.is_alive)
+                return self
+            except (TimeoutError, RuntimeError) as exc:
+                tail = self.log_tail()
+                self.stop()
+                if self._ports_chosen and "Address already in use" in tail and attempt + 1 < port_attempts:
+                    self.port = find_free_port(self.host)  # the prometheus port is picked anew by the command
+                    self.cmd = [str(c) for c in self._wrapped(self._command())]
+                    self.name = f"router-{self.port}"
+                    continue
+                raise RouterError(f"sglang-router did not start: {exc}\n--- log tail ---\n{tail}") from None
+        raise AssertionError("unreachable")
 
     # ----------------------------------------------------------------------------- HTTP helpers
     def _call(self, method: str, endpoint: str, **kw) -> requests.Response:
