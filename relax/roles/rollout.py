@@ -330,7 +330,7 @@ class RolloutManager:
                               max_concurrency=rollout_concurrency(self.config, self.backend, len(urls)),
                               # SGLang gives every copy of an `n` request the same sampling seed (identical
                               # answers under deterministic sampling); the embedded engine gives copy j seed + j.
-                              group_requests=self.backend == "embedded")
+                              group_requests=self.backend == "embedded", batch_parts=max(1, len(urls)))
 
     @timeline.traced("generate and reward", cat="rollout")
     def generate(self, step: int) -> dict[str, float]:

@@ -51,6 +51,7 @@ class RolloutContext:
     retries: int = 2
     max_concurrency: int = 64  # samples in flight at once, over all engines
     group_requests: bool = False  # engines take a prompt group as one request (SGLang's `n` with per-copy seeds)
+    batch_parts: int = 1  # group requests of one event-loop turn go as this many batched requests (one per engine)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -124,7 +124,7 @@ async def agenerate_rollout(ctx: RolloutContext, rollout_id: int) -> RolloutOutp
                     s.status = STATUS_ABORTED
                 return group
             out = await generate_group(ctx.session, ctx.router_url, group, sampling, timeout_s=ctx.timeout_s,
-                                       retries=ctx.retries)
+                                       retries=ctx.retries, batch_parts=ctx.batch_parts)
         if ctx.progress is not None:
             ctx.progress.update(len(out))
         return out
