@@ -1,7 +1,8 @@
 """The HealthManager's parts that need no Ray (relax.core.health, health_restart, health_faults): when a rank is
 silent, what its process is (real processes, stopped and killed), the failure line, the restart ledger and its
 final line, metrics.jsonl truncation to the checkpoint step, where a restart resumes, the test fault's
-format, and a watch ending a bounded wait long before its deadline."""
+format, a watch ending a bounded wait long before its deadline, and the health flags refused by parse_config
+(exit 2 from relax-train) before Ray starts."""
 
 import json
 import signal
@@ -10,9 +11,11 @@ import time
 
 import psutil
 import pytest
+from conftest import relax_cli
 
 from relax.backends.megatron.checkpoint_layout import MARKER
-from relax.config import parse_config
+from relax.config import ConfigError, parse_config
+from relax.config.rules_training import heartbeat_error
 from relax.core.calls import run_bounded, set_watch
 from relax.core.deadlines import Call, RoleFailure, console_line
 from relax.core.health import BOARD_META, HealthManager, process_state, silent_entries, silent_failure
@@ -163,3 +166,50 @@ def test_describe_tells_a_rank_stuck_in_its_call_from_a_silent_one():
     assert manager.describe("trainer", 0).startswith("trainer rank 0 is alive (last heartbeat 0.4 s ago): hung in")
     assert manager.describe("trainer", 1) == "trainer rank 1: process 999999999 is gone (dead)"
     assert manager.describe("critic", 0) == "critic rank 0 never sent a heartbeat"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--heartbeat-interval", "1", "--heartbeat-timeout", "1"],
+     "--heartbeat-timeout 1 must be at least twice --heartbeat-interval 1, so that one late heartbeat does not fail "
+     "a healthy worker: raise --heartbeat-timeout to 2 or more, or lower --heartbeat-interval to 0.5 or less"),
+    (["--heartbeat-interval", "20"],  # the default timeout (30) is no longer twice the period
+     "--heartbeat-timeout 30 must be at least twice --heartbeat-interval 20"),
+    (["--heartbeat-interval", "0"], "--heartbeat-interval must be a finite number of seconds > 0, got 0.0"),
+    (["--heartbeat-interval", "-1"], "--heartbeat-interval must be a finite number of seconds > 0, got -1.0"),
+    (["--heartbeat-timeout", "0"], "--heartbeat-timeout must be a finite number of seconds > 0, got 0.0"),
+    (["--heartbeat-timeout", "nan"], "--heartbeat-timeout must be a finite number of seconds > 0, got nan"),
+    (["--heartbeat-timeout", "inf"], "--heartbeat-timeout must be a finite number of seconds > 0, got inf"),
+    (["--max-global-restart", "-1"], "--max-global-restart must be >= 0, got -1"),
+])
+def test_bad_health_settings_fail_at_parse(tmp_path, argv, message):
+    with pytest.raises(ConfigError) as info:
+        parse_config(["--output-dir", str(tmp_path), "--use-health-check", *argv])
+    assert str(info.value).startswith(message)
+
+
+@pytest.mark.parametrize("flag, value", [("--heartbeat-interval", "2"), ("--heartbeat-timeout", "10"),
+                                         ("--max-global-restart", "1")])
+def test_health_flags_need_use_health_check(tmp_path, flag, value):
+    with pytest.raises(ConfigError, match=f"^{flag} configures the HealthManager of --use-health-check: add "
+                                          f"--use-health-check \\(or drop {flag}\\)$"):
+        parse_config(["--output-dir", str(tmp_path), flag, value])
+    # at its default (as a --dry-run's resolved config restates it) the flag is no user choice
+    parse_config(["--output-dir", str(tmp_path), "--heartbeat-interval", "1", "--max-global-restart", "3"])
+
+
+def test_good_health_settings_parse(tmp_path):
+    # exactly twice the period; no restarts allowed (detect and name only); no --save: a restart starts at step 0
+    config = parse_config(["--output-dir", str(tmp_path), "--use-health-check", "--heartbeat-interval", "0.5",
+                           "--heartbeat-timeout", "1", "--max-global-restart", "0"])
+    assert (config.heartbeat_interval, config.heartbeat_timeout, config.max_global_restart) == (0.5, 1.0, 0)
+    assert heartbeat_error(1.0, 30.0) is None  # the defaults
+
+
+def test_bad_health_settings_exit_2_before_ray(tmp_path):
+    proc = relax_cli("--output-dir", str(tmp_path), "--use-health-check", "--heartbeat-timeout", "1", timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "relax-train: error: --heartbeat-timeout 1 must be at least twice --heartbeat-interval 1, so that one late "
+        "heartbeat does not fail a healthy worker: raise --heartbeat-timeout to 2 or more, or lower "
+        "--heartbeat-interval to 0.5 or less")
+    assert "Traceback" not in proc.stderr and not (tmp_path / "logs").exists()  # nothing was started

@@ -2,7 +2,9 @@
 validate.py runs every function listed in RULES after its own rules."""
 
 import json
+import math
 from pathlib import Path
+from typing import Optional
 
 from relax.backends.megatron.checkpoint_layout import MARKER, latest_iteration
 from relax.config.errors import ConfigError
@@ -237,6 +239,40 @@ def check_exit_on_missing_checkpoint(v: dict, explicit) -> None:
                           "says to stop rather than start from the initial weights")
 
 
+# --use-health-check's own flags, with their parser defaults (relax/config/flags/fault.py)
+_HEALTH_FLAGS = {"max_global_restart": ("--max-global-restart", 3), "heartbeat_interval": ("--heartbeat-interval", 1.0),
+                 "heartbeat_timeout": ("--heartbeat-timeout", 30.0)}
+
+
+def heartbeat_error(interval, timeout) -> Optional[str]:
+    """Why a heartbeat period and timeout cannot work, None when they can. The timeout must be at least twice the
+    period: a single late beat (a busy process, a slow poll of the board) must not fail a healthy worker.
+    Also the HealthManager's own guard (relax.core.health), for a config built without parse_config."""
+    for name, value in (("--heartbeat-interval", interval), ("--heartbeat-timeout", timeout)):
+        if value is None or not math.isfinite(value) or value <= 0:
+            return f"{name} must be a finite number of seconds > 0, got {value}"
+    if timeout < 2 * interval:
+        return (f"--heartbeat-timeout {timeout:g} must be at least twice --heartbeat-interval {interval:g}, so that "
+                f"one late heartbeat does not fail a healthy worker: raise --heartbeat-timeout to {2 * interval:g} "
+                f"or more, or lower --heartbeat-interval to {timeout / 2:g} or less")
+    return None
+
+
+def check_health(v: dict, explicit) -> None:
+    """--use-health-check and its flags, before Ray: otherwise a bad heartbeat setting only fails once the
+    HealthManager starts (exit 1, after Ray and the placement groups). No checkpoint directory is required: a
+    restart without one starts from step 0 (relax.core.health_restart), which the log says."""
+    if not v.get("use_health_check"):
+        for dest, (name, default) in _HEALTH_FLAGS.items():
+            if dest in explicit and v.get(dest) != default:
+                raise ConfigError(f"{name} configures the HealthManager of --use-health-check: add "
+                                  f"--use-health-check (or drop {name})")
+        return
+    error = heartbeat_error(v.get("heartbeat_interval"), v.get("heartbeat_timeout"))
+    if error:
+        raise ConfigError(error)
+
+
 RULES: tuple = (check_reference, check_corrections, check_critic, check_opd, check_train_data, check_old_policy,
                  check_routing_replay, check_opd_sglang, check_sequence_parallel, check_expert_parallel,
-                 check_context_parallel, check_exit_on_missing_checkpoint)
+                 check_context_parallel, check_exit_on_missing_checkpoint, check_health)

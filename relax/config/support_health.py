@@ -13,6 +13,8 @@ HEALTH_FEATURES: frozenset[str] = frozenset({
     # test_ledger_gives_up_naming_counts, tests/test_health_e2e.py test_hung_rank_past_max_global_restart
     "max_global_restart",
     # Relax's own heartbeat period and timeout (relax/core/health.py): tests/test_health.py test_silent_after_timeout,
-    # tests/test_health_e2e.py (a SIGSTOPped rank found within --heartbeat-timeout)
+    # tests/test_health_e2e.py (a SIGSTOPped rank found within --heartbeat-timeout); their values and combinations
+    # are checked before Ray (relax/config/rules_training.py check_health): tests/test_health.py
+    # test_bad_health_settings_fail_at_parse, test_health_flags_need_use_health_check
     "heartbeat_interval", "heartbeat_timeout",
 })

@@ -32,6 +32,7 @@ import psutil
 import ray
 
 from relax.config.errors import ConfigError
+from relax.config.rules_training import heartbeat_error
 from relax.core.deadlines import Call, RoleFailure
 
 logger = logging.getLogger("relax")
@@ -153,9 +154,9 @@ class HealthManager:
         self.name = config.meta[BOARD_META]
         self.interval_s = float(config.heartbeat_interval)
         self.timeout_s = float(config.heartbeat_timeout)
-        if not 0 < 2 * self.interval_s <= self.timeout_s:  # a single late beat must not fail a healthy rank
-            raise ConfigError(f"--heartbeat-timeout ({self.timeout_s:g}) must be at least twice --heartbeat-interval "
-                              f"({self.interval_s:g}), which must be positive")
+        error = heartbeat_error(self.interval_s, self.timeout_s)  # parse_config refuses these before Ray
+        if error:
+            raise ConfigError(error)
         self.here = ray.util.get_node_ip_address()
         self.board = HeartbeatBoard.options(name=self.name, lifetime=None).remote()
         self.latest: list[dict[str, Any]] = []
