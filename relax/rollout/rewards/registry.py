@@ -23,7 +23,11 @@ __all__ = [
     "get_reward_fn",
     "available_reward_types",
     "resolve_rm_type",
+    "call_mode",
     "BOXED_PREFIX",
+    "INLINE",
+    "BATCHED",
+    "PER_CALL",
 ]
 
 RewardFn = Callable[[str, Any, dict], Any]
@@ -31,6 +35,14 @@ BOXED_PREFIX = "boxed_"
 
 # name -> factory(**options) -> reward fn
 _FACTORIES: dict[str, Callable[..., RewardFn]] = {}
+
+# How the runner calls a reward (`call_mode`). Only the built-in synchronous functions registered below have a
+# mode other than PER_CALL: a function registered by a user (or a built-in name overwritten by one) may block, hold
+# a lock, or rely on running in parallel threads, so it keeps one executor call per sample with its own deadline.
+INLINE = "inline"  # pure string work, linear in the response: called on the event loop, no thread hop
+BATCHED = "batched"  # may be slow (sympy parsing, regex over long text): one thread hop per group, per-sample deadline
+PER_CALL = "per_call"  # one executor call (or await) per sample
+_MODES: dict[str, str] = {}
 
 
 def register_reward(name: str, fn: Optional[RewardFn] = None, *, factory: bool = False, overwrite: bool = False):
@@ -47,6 +59,7 @@ def register_reward(name: str, fn: Optional[RewardFn] = None, *, factory: bool =
         if name in _FACTORIES and not overwrite:
             raise ValueError(f"reward type {name!r} is already registered")
         _FACTORIES[name] = f if factory else (lambda **_opts: f)
+        _MODES.pop(name, None)  # a replaced built-in is the user's function now: called per sample
         return f
 
     return _register(fn) if fn is not None else _register
@@ -120,6 +133,19 @@ def resolve_rm_type(flag_value: Optional[str], metadata: Optional[dict]) -> str:
     return str(rm_type)
 
 
+def call_mode(rm_type: str) -> str:
+    """How the runner calls ``rm_type``'s function: INLINE, BATCHED or PER_CALL (see `_MODES`). ``boxed_<type>``
+    adds a linear brace scan in front of ``<type>``, so it is called as ``<type>`` is."""
+    if rm_type.startswith(BOXED_PREFIX):
+        return call_mode(rm_type[len(BOXED_PREFIX):])
+    return _MODES.get(rm_type, PER_CALL)
+
+
+def _register_builtin(name: str, fn: RewardFn, mode: str) -> None:
+    register_reward(name, fn)
+    _MODES[name] = mode
+
+
 def _remote_factory(
     rm_url: Optional[str] = None, url: Optional[str] = None, **kwargs: Any
 ) -> RemoteRewardModel:
@@ -127,12 +153,12 @@ def _remote_factory(
     return RemoteRewardModel(rm_url or url, **{k: v for k, v in kwargs.items() if k in allowed})
 
 
-register_reward("exact_match", builtin.exact_match_reward)
-register_reward("math", builtin.math_reward)
-register_reward("dapo", builtin.dapo_reward)
-register_reward("deepscaler", builtin.deepscaler_reward)
-register_reward("f1", builtin.f1_reward)
-register_reward("gpqa", builtin.gpqa_reward)
-register_reward("multiple_choice", builtin.multiple_choice_reward)
-register_reward("random", builtin.random_reward)
+_register_builtin("exact_match", builtin.exact_match_reward, INLINE)
+_register_builtin("math", builtin.math_reward, BATCHED)
+_register_builtin("dapo", builtin.dapo_reward, BATCHED)
+_register_builtin("deepscaler", builtin.deepscaler_reward, BATCHED)
+_register_builtin("f1", builtin.f1_reward, INLINE)
+_register_builtin("gpqa", builtin.gpqa_reward, BATCHED)
+_register_builtin("multiple_choice", builtin.multiple_choice_reward, BATCHED)
+_register_builtin("random", builtin.random_reward, INLINE)
 register_reward("remote_rm", _remote_factory, factory=True)

@@ -16,6 +16,18 @@ What is called
   * reward type ``genrm``: the GenRM judge (``relax.rollout.rewards.genrm``): the runner's
     ``genrm``, else the rollout manager's (``active_judge``), per sample.
 
+How built-ins are called
+  A step of the embedded default scores 512 short answers; one executor call with its own ``wait_for`` per
+  sample cost more CPU in the rollout manager than the rewards themselves. So built-in synchronous functions
+  (`registry.call_mode`) are called as follows; custom, remote, GenRM and user-registered rewards keep one
+  call per sample:
+  * INLINE (``exact_match``, ``f1``, ``random`` and their ``boxed_`` forms): pure string work, linear in the
+    response, called on the event loop. Their failures are counted and reported as any other.
+  * BATCHED (``math``, ``dapo``, ``deepscaler``, ``gpqa``, ``multiple_choice``, boxed forms): one thread hop
+    per prompt group, scoring its samples one after another; each sample still has ``timeout_s`` from the
+    moment it starts (the first from when the group was submitted). A sample past it fails with the same
+    ``TimeoutError``; the group's later samples are then scored one call each, as before.
+
 Rewards
   A number, or a dict from which ``reward_key`` is taken (when ``reward_key`` is
   None: ``"reward"``, else ``"score"``). The reward must be a finite number;
@@ -42,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -51,7 +64,7 @@ from typing import Any, Callable, Optional, Sequence
 from relax.observability import timeline
 from relax.rollout.rewards.custom import CustomReward, load_custom_reward
 from relax.rollout.rewards.genrm import GENRM_TYPE, active_judge
-from relax.rollout.rewards.registry import get_reward_fn, resolve_rm_type
+from relax.rollout.rewards.registry import BATCHED, INLINE, PER_CALL, call_mode, get_reward_fn, resolve_rm_type
 
 __all__ = ["RewardRunner", "RewardResult", "RewardError", "AllRewardsFailedError", "check_step_rewards",
            "reward_name", "score_samples", "ascore_samples", "reward_to_float"]
@@ -191,6 +204,32 @@ def group_label(group: Sequence[Any], g: int, start: int) -> str:
     return f"group {g} (samples {start}..{start + len(group) - 1})"
 
 
+class _GroupHop:
+    """One executor job scoring a group's samples in turn with built-in synchronous functions. The event loop
+    reads which sample runs and since when (under `lock`) to enforce each sample's deadline, and sets `stopped`
+    when one misses it or the scoring is cancelled: the worker then starts no further sample."""
+
+    def __init__(self, calls: list[tuple[Any, str, Any, dict]]) -> None:
+        self.calls = calls
+        self.results: list[tuple[bool, Any]] = []  # (ok, raw reward or the exception), in order
+        self.lock = threading.Lock()
+        self.current = -1  # the sample being scored; -1 before the first
+        self.started = 0.0  # time.monotonic() when `current` started
+        self.stopped = False
+
+    def run(self) -> None:
+        for i, (fn, response, label, metadata) in enumerate(self.calls):
+            with self.lock:
+                if self.stopped:
+                    return
+                self.current, self.started = i, time.monotonic()
+            try:
+                out = (True, fn(response, label, metadata))
+            except Exception as e:
+                out = (False, e)
+            self.results.append(out)
+
+
 class RewardRunner:
     """Scores samples concurrently; see the module docstring for the contract.
 
@@ -293,6 +332,9 @@ class RewardRunner:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, fn, response, label, metadata)
 
+    def _timeout_error(self) -> TimeoutError:
+        return TimeoutError(f"the reward call did not return within {self.timeout_s:g} s (--reward-timeout)")
+
     async def _deadline(self, call: Any) -> Any:
         """Await one reward call within `timeout_s`; past it the call is a failure that names the flag."""
         if self.timeout_s is None:
@@ -300,8 +342,83 @@ class RewardRunner:
         try:
             return await asyncio.wait_for(call, self.timeout_s)
         except asyncio.TimeoutError:
-            raise TimeoutError(f"the reward call did not return within {self.timeout_s:g} s "
-                               "(--reward-timeout)") from None
+            raise self._timeout_error() from None
+
+    def _route(self, sample: Any) -> tuple[str, str, Any]:
+        """(mode, reward type, function) of a sample scored by a built-in (`registry.call_mode`). PER_CALL goes
+        through `_score_one`: custom rewards, GenRM, async and user-registered functions, and a type that does
+        not resolve (`_score_one` reports that failure as before)."""
+        if self.custom is not None:
+            return PER_CALL, "?", None
+        try:
+            rm_name = resolve_rm_type(self.rm_type, _metadata(sample))
+            mode = PER_CALL if rm_name == GENRM_TYPE else call_mode(rm_name)
+            return (mode, rm_name, None) if mode == PER_CALL else (mode, rm_name, self._fn(rm_name))
+        except Exception:
+            return PER_CALL, "?", None
+
+    def _settle(self, idx: int, sample: Any, place: Optional[int], rm_name: str, ok: bool,
+                value: Any) -> tuple[list[float], list[Any], list[int]]:
+        """A built-in's outcome for one sample, failures counted and reported as `_score_one` does."""
+        try:
+            if not ok:
+                raise value
+            return [reward_to_float(value, self.reward_key)], [value], []
+        except Exception as e:
+            self._failure(sample_label(sample, idx, place), rm_name, e, [sample])
+            return [0.0], [None], [idx]
+
+    def _score_inline(self, idx: int, sample: Any, place: Optional[int], rm_name: str,
+                      fn: Any) -> tuple[list[float], list[Any], list[int]]:
+        try:
+            out = (True, fn(_response(sample), _field(sample, "label"), _metadata(sample)))
+        except Exception as e:
+            out = (False, e)
+        return self._settle(idx, sample, place, rm_name, *out)
+
+    async def _await_hop(self, hop: _GroupHop, fut: asyncio.Future) -> Optional[int]:
+        """Wait for a group's hop; the index of the sample that missed its deadline, or None when all ran."""
+        if self.timeout_s is None:
+            await fut
+            return None
+        submitted = time.monotonic()
+        while True:
+            with hop.lock:
+                k, started = hop.current, hop.started
+            remaining = (started if k >= 0 else submitted) + self.timeout_s - time.monotonic()
+            if remaining <= 0:
+                with hop.lock:
+                    if hop.current == k:  # still on the same sample: it is past its deadline
+                        hop.stopped = True
+                        return max(k, 0)
+                continue
+            done, _ = await asyncio.wait({fut}, timeout=remaining)
+            if done:
+                fut.result()
+                return None
+
+    async def _score_batched(self, items: list[tuple[int, Any, Optional[int], str, Any]],
+                             sem: asyncio.Semaphore) -> list[tuple[list[float], list[Any], list[int]]]:
+        """A group's BATCHED samples, (idx, sample, place, type, fn) each, in one thread hop."""
+        hop = _GroupHop([(fn, _response(s), _field(s, "label"), _metadata(s)) for _, s, _, _, fn in items])
+        async with sem:
+            fut = asyncio.get_running_loop().run_in_executor(self._executor, hop.run)
+            try:
+                late = await self._await_hop(hop, fut)
+            except BaseException:
+                with hop.lock:
+                    hop.stopped = True
+                raise
+        parts = []
+        for k, (idx, s, place, rm_name, _) in enumerate(items):
+            if late is not None and k == late:
+                parts.append(self._settle(idx, s, place, rm_name, False, self._timeout_error()))
+            elif late is not None and k > late:  # never started in the hop: one call each, own deadlines
+                parts.extend(await asyncio.gather(*(self._score_one(i, x, sem, p) for i, x, p, _, _ in items[k:])))
+                break
+            else:
+                parts.append(self._settle(idx, s, place, rm_name, *hop.results[k]))
+        return parts
 
     def _failure(
         self, where: str, rm_name: str, exc: BaseException, samples: Sequence[Any]
@@ -398,24 +515,48 @@ class RewardRunner:
         t0 = time.perf_counter()
         sem = asyncio.Semaphore(self.max_concurrency)
         coros = []
+        covers: list[list[int]] = []  # per coroutine, the places in `placed` order of the parts it returns
+        placed: list[tuple[int, Any]] = []  # (order, parts) of what was scored inline
         start = 0
-        if self.group_rm and self.custom is not None:
-            for g, group in enumerate(groups):
-                coros.append(self._score_group(g, start, group, sem))
-                start += len(group)
-        else:
-            for group in groups:
-                for place, s in enumerate(group):
-                    coros.append(self._score_one(start, s, sem, place))
-                    start += 1
+        try:
+            if self.group_rm and self.custom is not None:
+                for g, group in enumerate(groups):
+                    covers.append([g])
+                    coros.append(self._score_group(g, start, group, sem))
+                    start += len(group)
+            else:
+                for group in groups:
+                    batch = []
+                    for place, s in enumerate(group):
+                        mode, rm_name, fn = self._route(s)
+                        if mode == INLINE:
+                            placed.append((start, self._score_inline(start, s, place, rm_name, fn)))
+                        elif mode == BATCHED:
+                            batch.append((start, s, place, rm_name, fn))
+                        else:
+                            covers.append([start])
+                            coros.append(self._score_one(start, s, sem, place))
+                        start += 1
+                    if batch:
+                        covers.append([item[0] for item in batch])
+                        coros.append(self._score_batched(batch, sem))
+        except BaseException:  # an inline failure under on_error="fail": nothing was scheduled yet
+            for c in coros:
+                c.close()
+            raise
         tasks = [asyncio.ensure_future(c) for c in coros]
         try:
-            parts = await asyncio.gather(*tasks)
+            done = await asyncio.gather(*tasks)
         except BaseException:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
+        for where, out in zip(covers, done):
+            placed.extend(zip(where, out if isinstance(out, list) else [out]))
+        # inline and batched samples were scored out of turn: back to the samples' order
+        placed.sort(key=lambda item: item[0])
+        parts = [part for _, part in placed]
         rewards: list[float] = []
         raw: list[Any] = []
         errors: list[int] = []
@@ -430,14 +571,14 @@ class RewardRunner:
         stats = {
             "num_samples": len(rewards),
             "num_groups": len(groups),
-            "num_calls": len(coros),
+            "num_calls": start if not (self.group_rm and self.custom is not None) else len(coros),
             "num_errors": len(errors),
             "error_indices": list(errors),
             "elapsed_s": time.perf_counter() - t0,
         }
         self._totals["num_samples"] += len(rewards)
         self._totals["num_errors"] += len(errors)
-        self._totals["num_calls"] += len(coros)
+        self._totals["num_calls"] += stats["num_calls"]
         self._totals["num_batches"] += 1
         return RewardResult(rewards=rewards, raw=raw, num_errors=len(errors), error_indices=errors, stats=stats)
 
