@@ -5,9 +5,11 @@ format, a watch ending a bounded wait long before its deadline, and the health f
 (exit 2 from relax-train) before Ray starts."""
 
 import json
+import os
 import signal
 import subprocess
 import time
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -16,6 +18,7 @@ from conftest import relax_cli
 from relax.backends.megatron.checkpoint_layout import MARKER
 from relax.config import ConfigError, parse_config
 from relax.config.rules_training import heartbeat_error
+from relax.core import health
 from relax.core.calls import run_bounded, set_watch
 from relax.core.deadlines import Call, RoleFailure, console_line
 from relax.core.health import BOARD_META, HealthManager, process_state, silent_entries, silent_failure
@@ -213,3 +216,64 @@ def test_bad_health_settings_exit_2_before_ray(tmp_path):
         "heartbeat does not fail a healthy worker: raise --heartbeat-timeout to 2 or more, or lower "
         "--heartbeat-interval to 0.5 or less")
     assert "Traceback" not in proc.stderr and not (tmp_path / "logs").exists()  # nothing was started
+
+
+def test_rollout_manager_fault_format():
+    fault = RankFault.parse("hang:role=rollout:step=1:call=generate")
+    assert (fault.kind, fault.role, fault.rank, fault.step, fault.target) == ("hang", "rollout", None, 1, "rollout")
+    assert fault.matches("rollout", "generate generate", 1, attempt=0)
+    assert not fault.matches("rollout", "evaluate evaluation", 1, attempt=0)
+    assert not fault.matches("trainer", "generate generate", 1, attempt=0)
+    assert RankFault.parse("kill:rank=1:step=0").target == "trainer rank 1"
+    for bad in ("kill:role=rollout:rank=0:step=1", "kill:role=rollout", "kill:step=1:role=engine"):
+        with pytest.raises(ValueError, match="RELAX_TEST_TRAINER_FAULT"):
+            RankFault.parse(bad)
+
+
+def test_silent_rollout_manager_is_named_at_its_call():
+    # the manager beats with rank None, as the controller's calls into it name it (Call("rollout", ...))
+    entry = {**_entry(4.5, pid=999999999, role="rollout", rank=None), "node": "n"}
+    failure = silent_failure(entry, 4.0, "n", [Call("rollout", "generate", step=1)])
+    assert str(failure) == ("rollout (n pid 999999999), step 1, generate: WorkerSilent: no heartbeat for 4.5 s "
+                            "(--heartbeat-timeout 4): process 999999999 is gone (dead)")
+    # silent while the driver waits for the trainer: named with the call it waits for
+    other = silent_failure(entry, 4.0, "n", [Call("trainer", "train step", rank=0, step=3)])
+    assert str(other).startswith("rollout (n pid 999999999), step 3, heartbeat (while waiting for train step):")
+    manager = object.__new__(HealthManager)
+    manager.timeout_s, manager.here, manager.polled_at, manager.latest = 4.0, "n", time.monotonic(), [entry]
+    assert manager.lost_ranks() == [("rollout", "process 999999999 is gone (dead)")]
+    assert manager.describe("rollout", None) == "rollout: process 999999999 is gone (dead)"
+    assert manager.pid_of("rollout", None) == (999999999, "n")
+    ledger = RestartLedger(0)
+    ledger.record(failure)
+    assert "rollout failed 1 time" in str(ledger.give_up(failure))
+
+
+def test_rollout_manager_heartbeat_thread(monkeypatch, tmp_path):
+    """start_heartbeat(role="rollout") beats (role, None, pid, node) from a thread of its own, only with
+    --use-health-check (the board here is a stand-in: Ray's actor lookup is replaced)."""
+    beats, gone = [], []
+
+    class Board:
+        class beat:  # noqa: N801 - the actor method's `.remote`
+            @staticmethod
+            def remote(*args):
+                if gone:  # as a killed board: the thread ends
+                    raise RuntimeError("the board is gone")
+                beats.append(args)
+
+    monkeypatch.setattr(health.ray, "get_actor", lambda name: Board)
+    monkeypatch.setattr(health.ray.util, "get_node_ip_address", lambda: "n")
+    off = parse_config(["--output-dir", str(tmp_path)])
+    assert health.start_heartbeat(SimpleNamespace(config=off), role="rollout") is None
+    on = parse_config(["--output-dir", str(tmp_path), "--use-health-check", "--heartbeat-interval", "0.05",
+                       "--heartbeat-timeout", "1"])
+    on = attempt_config(on, 0, None)  # the attempt's board name, as the controller sets it
+    thread = health.start_heartbeat(SimpleNamespace(config=on), role="rollout")
+    deadline = time.monotonic() + 5
+    while len(beats) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    gone.append(True)
+    thread.join(5)
+    assert thread.daemon and not thread.is_alive() and len(beats) >= 3
+    assert beats[0] == ("rollout", None, os.getpid(), "n")

@@ -2,8 +2,10 @@
 only with its code and test, naming both in a comment beside it."""
 
 HEALTH_FEATURES: frozenset[str] = frozenset({
-    # heartbeats of every Megatron rank (relax/core/health.py: start_heartbeat from relax/roles/megatron_rank.py,
-    # HeartbeatBoard, HealthManager.watch through relax/core/calls.py set_watch) and the restart of the run from
+    # heartbeats of every Megatron rank and of the rollout manager (relax/core/health.py: start_heartbeat from
+    # relax/roles/megatron_rank.py and relax/roles/rollout.py, HeartbeatBoard, HealthManager.watch through
+    # relax/core/calls.py set_watch; tests/test_health_rollout.py: a hung, then killed, rollout manager found by
+    # name within --heartbeat-timeout) and the restart of the run from
     # its last checkpoint (relax/core/health_restart.py, the loop in relax/core/controller.py run_controller):
     # tests/test_health.py (heartbeat timeout, process state, restart bookkeeping, metrics truncation, fault
     # parsing) and tests/test_health_e2e.py (a killed trainer rank restarted from a checkpoint; a hung one past

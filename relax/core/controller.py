@@ -316,7 +316,7 @@ class Controller:
         if where is None and role == "trainer" and self._where(fault.rank):
             where = (int(self._where(fault.rank).rsplit(" ", 1)[1]), None)
         if where is None:
-            logger.warning("test fault injection: no pid known for %s rank %d; not fired", role, fault.rank)
+            logger.warning("test fault injection: no pid known for %s; not fired", fault.target)
             return
         fault.fire(where[0], self.attempt)
 
@@ -325,6 +325,7 @@ class Controller:
         one, --generate-timeout and --reward-timeout), but waited for in short slices (signals act at once).
         When generation failed, the engines that no longer answer are named too."""
         ref = getattr(self.rollout, method).remote(*args)
+        self._fault_point("rollout", f"{method} {action}", step)
         try:
             return self._wait([self.rollout], [ref], [Call("rollout", action, step=step)], None, "")[0]
         except RoleFailure as exc:

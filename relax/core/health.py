@@ -1,11 +1,13 @@
-"""The HealthManager (--use-health-check): heartbeats of every Megatron rank, so that a hung rank is told apart
-from a dead one and found within --heartbeat-timeout instead of --train-step-timeout.
+"""The HealthManager (--use-health-check): heartbeats of every Megatron rank and of the rollout manager, so that a
+hung worker is told apart from a dead one and found within --heartbeat-timeout instead of --train-step-timeout
+(or, for the rollout manager, whose step has no deadline of its own, at all).
 
 * Worker side: each Megatron rank (trainer, reference, teacher, critic: `relax.roles.megatron_rank.MegatronRank`)
-  starts `start_heartbeat(self)` in its constructor: a daemon thread of its own that sends (role, rank, pid,
-  node) to the run's `HeartbeatBoard` every --heartbeat-interval. It runs whatever the rank's main thread is
-  doing, so a rank stuck in a call keeps beating, and a rank that stops beating is a stopped (SIGSTOP, frozen)
-  or dead process.
+  starts `start_heartbeat(self)` in its constructor, and the rollout manager (`relax.roles.rollout.
+  RolloutManager`, one actor: role "rollout", rank None) `start_heartbeat(self, role="rollout")`: a daemon
+  thread of its own that sends (role, rank, pid, node) to the run's `HeartbeatBoard` every --heartbeat-interval.
+  It runs whatever the worker's main thread is doing, so a worker stuck in a call keeps beating, and a worker
+  that stops beating is a stopped (SIGSTOP, frozen) or dead process.
 * Board: a small Ray actor (no CPU share) that records when each rank last beat, by its own clock. Its name
   is carried in the config's meta (`health_board`), a new one per attempt of the run, so that a rank of an
   earlier attempt can never be mistaken for one of the current attempt.
@@ -26,6 +28,7 @@ import signal
 import threading
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, Optional
 
 import psutil
@@ -51,7 +54,7 @@ class HeartbeatBoard:
     def __init__(self):
         self.seen: dict[tuple[str, int], dict[str, Any]] = {}
 
-    def beat(self, role: str, rank: int, pid: int, node: str) -> None:
+    def beat(self, role: str, rank: Optional[int], pid: int, node: str) -> None:
         self.seen[(role, rank)] = {"role": role, "rank": rank, "pid": pid, "node": node, "t": time.monotonic()}
 
     def snapshot(self) -> list[dict[str, Any]]:
@@ -65,9 +68,15 @@ def _role_of(worker: Any) -> str:
     return getattr(worker, "role", None) or type(worker).__name__.replace("Worker", "").lower()
 
 
-def start_heartbeat(worker: Any) -> Optional[threading.Thread]:
-    """Start the heartbeat thread of a Megatron rank (`worker.config`, `worker.rank`) when the run has
-    --use-health-check; None otherwise."""
+def worker_name(role: str, rank: Optional[int]) -> str:
+    """A worker as failures and the restart count name it: "trainer rank 1", or "rollout" for a single actor."""
+    return role if rank is None else f"{role} rank {rank}"
+
+
+def start_heartbeat(worker: Any, role: Optional[str] = None) -> Optional[threading.Thread]:
+    """Start the heartbeat thread of a worker (`worker.config`) when the run has --use-health-check; None
+    otherwise. `role` None: a Megatron rank (`worker.rank`, its role from the worker); else a role of one actor
+    (the rollout manager: "rollout"), which beats with rank None, as the controller's calls into it name it."""
     config = worker.config
     name = config.meta.get(BOARD_META) if config.use_health_check else None
     if not name:
@@ -84,12 +93,15 @@ def start_heartbeat(worker: Any) -> Optional[threading.Thread]:
                 board = ray.get_actor(name)
             except ValueError:  # not registered yet
                 if time.monotonic() > deadline:
-                    logger.warning("heartbeat: no board %s after %.0f s; this rank sends none", name, LOOKUP_S)
+                    logger.warning("heartbeat: no board %s after %.0f s; this worker sends none", name, LOOKUP_S)
                     return
                 time.sleep(0.2)
         while True:
             try:
-                board.beat.remote(_role_of(worker), worker.rank, pid, node)
+                if role is None:
+                    board.beat.remote(_role_of(worker), worker.rank, pid, node)
+                else:
+                    board.beat.remote(role, None, pid, node)
             except Exception:  # the board is gone: the attempt is over
                 return
             time.sleep(interval)
@@ -134,16 +146,17 @@ def aged_entries(latest: list[dict[str, Any]], since_poll_s: float) -> list[dict
 
 
 def silent_failure(entry: dict[str, Any], timeout_s: float, here: str, calls: list[Call]) -> RoleFailure:
-    """The failure of a silent rank: its own call among `calls` (those still running), else a heartbeat clause
-    at the step of the call the driver waits for."""
+    """The failure of a silent worker: its own call among `calls` (those still running; the rollout manager's
+    calls have rank None, as its heartbeats), else a heartbeat clause at the step of the call the driver waits
+    for."""
     state = process_state(entry["pid"], entry["node"], here)
     cause = WorkerSilent(f"no heartbeat for {entry['age_s']:.1f} s (--heartbeat-timeout {timeout_s:g}): {state}")
+    address = f"{entry['node']} pid {entry['pid']}"
     mine = [c for c in calls if c.role == entry["role"] and c.rank == entry["rank"]]
-    if mine:
-        return RoleFailure(mine[0], cause)
+    if mine:  # the controller's calls into the rollout manager carry no address: its heartbeats give one
+        return RoleFailure(mine[0] if mine[0].address else replace(mine[0], address=address), cause)
     action = f"heartbeat (while waiting for {calls[0].action})" if calls else "heartbeat"
-    call = Call(entry["role"], action, rank=entry["rank"], address=f"{entry['node']} pid {entry['pid']}",
-                step=calls[0].step if calls else None)
+    call = Call(entry["role"], action, rank=entry["rank"], address=address, step=calls[0].step if calls else None)
     return RoleFailure(call, cause)
 
 
@@ -189,15 +202,16 @@ class HealthManager:
         if silent:
             raise silent_failure(silent[0], self.timeout_s, self.here, calls)
 
-    def describe(self, role: str, rank: int) -> str:
-        """What the heartbeats say of a rank whose call ran past its deadline: still beating means its process
+    def describe(self, role: str, rank: Optional[int]) -> str:
+        """What the heartbeats say of a worker whose call ran past its deadline: still beating means its process
         is alive and the call itself is stuck (hung in the call); silent means stopped or dead."""
+        who = worker_name(role, rank)
         for e in aged_entries(self.latest, time.monotonic() - self.polled_at if self.polled_at else 0.0):
             if e["role"] == role and e["rank"] == rank:
                 if e["age_s"] <= self.timeout_s:
-                    return (f"{role} rank {rank} is alive (last heartbeat {e['age_s']:.1f} s ago): hung in its call")
-                return f"{role} rank {rank}: {process_state(e['pid'], e['node'], self.here)}"
-        return f"{role} rank {rank} never sent a heartbeat"
+                    return f"{who} is alive (last heartbeat {e['age_s']:.1f} s ago): hung in its call"
+                return f"{who}: {process_state(e['pid'], e['node'], self.here)}"
+        return f"{who} never sent a heartbeat"
 
     def lost_ranks(self) -> list[tuple[str, str]]:
         """(who, state) of this attempt's ranks on this node whose process is gone or stopped: after a failure
@@ -206,11 +220,12 @@ class HealthManager:
         for e in self.latest:
             state = process_state(e["pid"], e["node"], self.here) if e["node"] == self.here else ""
             if "(dead)" in state or "stopped" in state:
-                lost.append((f"{e['role']} rank {e['rank']}", state))
+                lost.append((worker_name(e["role"], e["rank"]), state))
         return lost
 
-    def pid_of(self, role: str, rank: int) -> Optional[tuple[int, str]]:
-        """(pid, node) of a rank from its heartbeats, None before its first beat."""
+    def pid_of(self, role: str, rank: Optional[int]) -> Optional[tuple[int, str]]:
+        """(pid, node) of a worker from its heartbeats (rank None: the rollout manager), None before its first
+        beat."""
         for entry in self.latest:
             if entry["role"] == role and entry["rank"] == rank:
                 return entry["pid"], entry["node"]

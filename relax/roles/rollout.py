@@ -33,6 +33,7 @@ from relax.backends.relax_router.process import router_from_config
 from relax.backends.sglang.router import RouterProcess
 from relax.config.autoscaler import load_autoscaler_config
 from relax.config.env import threads_per_process
+from relax.core.health import start_heartbeat
 from relax.core.placement import cluster_has_gpus, create_placement_group, engine_bundle
 from relax.data.plane import DataPlane
 from relax.data.replay_record import run_record
@@ -151,6 +152,9 @@ def pool_metrics(new: list[dict[str, Any]], history: list[dict[str, Any]]) -> di
 class RolloutManager:
     def __init__(self, config: Any):
         self.config = config
+        # --use-health-check: beats from a thread of its own (relax.core.health), from the constructor on, so that
+        # a killed or hung (stopped) manager is found by name and the run restarted as for a trainer rank
+        self._heartbeat = start_heartbeat(self, role="rollout")
         self.tokenizer = AutoTokenizer.from_pretrained(config.hf_checkpoint)
         self.encoder = PromptEncoder.from_args(config, self.tokenizer)
         # replaying saved rollouts needs no prompts
