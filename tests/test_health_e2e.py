@@ -6,7 +6,9 @@ real faults injected by RELAX_TEST_TRAINER_FAULT (relax.core.health_faults):
   history (--save-debug-train-data) are each step's own, each exactly once;
 * a trainer rank SIGSTOPped (hung) at step 0 in every attempt, without a checkpoint: found by its missing
   heartbeats within --heartbeat-timeout, restarted from step 0, and past --max-global-restart the run exits
-  with code 1 and one line naming the rank, the step, the hang and how often it failed."""
+  with code 1 and one line naming the rank, the step, the hang and how often it failed;
+* the rollout manager SIGSTOPped (hung) during step 0's generation, a call without a deadline of its own: found
+  by its missing heartbeats within --heartbeat-timeout, named, and the run restarted and finished (one step)."""
 
 import json
 import logging
@@ -102,3 +104,21 @@ def test_hung_rank_past_max_global_restart(tmp_path, monkeypatch, caplog):
     assert line.startswith("run failed: trainer rank 0 (")
     assert "step 0" in line and "stopped (hung)" in line and "--heartbeat-timeout 4" in line
     assert "gave up after 1 restart (--max-global-restart 1): trainer rank 0 failed 2 times" in line
+
+
+def test_hung_rollout_manager_restarts_the_run(tmp_path, monkeypatch, caplog):
+    shared_ray()
+    monkeypatch.setenv(ENV, "hang:role=rollout:step=0:call=generate")
+    out = tmp_path / "out"
+    config = _config(tmp_path, 1, "--heartbeat-timeout", "4", "--max-global-restart", "1")
+    with caplog.at_level(logging.INFO, logger="relax"):
+        assert run_controller(config) == 0
+    assert_ray_released()
+    _figures(caplog)
+    assert "health: rollout failure detected" in caplog.text
+    restarts = [json.loads(x) for x in (out / "restarts.jsonl").read_text().splitlines()]
+    assert len(restarts) == 1 and restarts[0]["who"] == "rollout" and restarts[0]["resume_step"] == 0
+    failed = restarts[0]["failed"]
+    assert failed.startswith("rollout (") and "step 0, generate: WorkerSilent: no heartbeat" in failed
+    assert "--heartbeat-timeout 4" in failed and "stopped (hung)" in failed
+    assert [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())] == [0]
