@@ -6,18 +6,21 @@ def add_flags(parser):
     g.add_argument("--use-fault-tolerance", action="store_true", default=False,
                    help="Detect dead rollout engines, route around them and restart them.")
     g.add_argument("--use-health-check", action="store_true", default=False,
-                   help="Run the HealthManager: heartbeats of every Megatron rank, and on a failure a restart "
-                        "of the run from its last checkpoint (at most --max-global-restart times).")
+                   help="Run the HealthManager: heartbeats of every Megatron rank and of the rollout manager, and "
+                        "on a failure a restart of the run from its last checkpoint (at most --max-global-restart "
+                        "times; from step 0 without one).")
     g.add_argument("--max-global-restart", type=int, default=3,
                    help="With --use-health-check: restarts of the run (every role, from the last checkpoint) allowed "
                         "before it stops, naming what failed and how often.")
-    # Relax's own: the heartbeats of every Megatron rank (relax.core.health) that tell a hung rank from a dead one.
+    # Relax's own: the heartbeats of every Megatron rank and the rollout manager (relax.core.health) that tell a
+    # hung worker from a dead one. Checked before Ray (relax.config.rules_training.check_health).
     g.add_argument("--heartbeat-interval", type=float, default=1.0,
                    help="With --use-health-check: seconds between two heartbeats of each trainer, reference, teacher "
-                        "and critic rank (sent from a thread of its own).")
+                        "and critic rank and of the rollout manager (sent from a thread of its own); > 0.")
     g.add_argument("--heartbeat-timeout", type=float, default=30.0,
-                   help="With --use-health-check: a rank without a heartbeat for this many seconds is failed (a "
-                        "stopped or dead process), naming its role, rank, pid and the step.")
+                   help="With --use-health-check: a rank or the rollout manager without a heartbeat for this many "
+                        "seconds is failed (a stopped or dead process), naming its role, rank, pid and the step; "
+                        "at least twice --heartbeat-interval.")
     g.add_argument("--rollout-health-check-interval", type=float, default=30.0, help="Seconds between engine health probes.")
     g.add_argument("--rollout-health-check-timeout", type=float, default=30.0, help="Seconds before a health probe fails.")
     g.add_argument("--rollout-health-check-first-wait", type=float, default=0,
