@@ -55,11 +55,16 @@ class MegatronRank:
     def load(self, path: str) -> int:
         return self.trainer.load_checkpoint(path)
 
-    def weights_checksum(self) -> float:
+    def weights_checksum(self, model: str = "trainer") -> float:
+        """Sum of |w| over this rank's parameters; `model="reference"` for the reference model a trainer rank
+        holds itself (relax.roles.trainer.reference_in_trainer)."""
         import torch
 
+        owner = getattr(self, model, None)
+        if owner is None:
+            raise ValueError(f"rank {self.rank} holds no {model} model")
         with torch.no_grad():
-            return float(sum(p.double().abs().sum() for p in self.trainer.gpt_model.parameters()))
+            return float(sum(p.double().abs().sum() for p in owner.gpt_model.parameters()))
 
     # --offload-train / --colocate: free the trainer's memory while the engines run (relax.core.colocate)
     def offload_memory(self) -> dict[str, float]:
