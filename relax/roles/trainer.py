@@ -123,7 +123,10 @@ class TrainerWorker(MegatronRank):
         self._batches: dict[int, Any] = {}  # step -> StepBatch, from the forward stage to the update
         # Rows of the step's stage fields this rank computed itself (all of them, or its data-parallel share
         # when dp is 1): later stages of the same step take them from here instead of reading them back from
-        # the data plane, where they are written all the same. One step at a time, like `_batches`.
+        # the data plane. One step at a time, like `_batches`. When this rank holds every field it reads
+        # (`_holds_every_field`: no critic, teacher or reference of its own role) no other role reads them
+        # either, and the step's partition is cleared after the update: the rows are then not written to the
+        # data plane at all (three writes of 512 rows a step on the embedded default).
         self._rows: dict[int, dict[str, list[torch.Tensor]]] = {}
         # the step's samples read by the in-trainer reference stage, for the forward stage that follows
         self._prefetched: dict[int, list[Sample]] = {}
@@ -171,7 +174,7 @@ class TrainerWorker(MegatronRank):
         with self.profiling.section("train_log_probs", step):
             batch, olds = forward_stage(self.trainer, samples, self.config, step)
         batch.metrics["train/reward_failed_samples"] = float(failed)
-        if olds is not None and self.rank == 0:
+        if olds is not None and self.rank == 0 and not self._holds_every_field():
             self.data.put_fields(step, [s.index for s in batch.samples], old_logprobs=olds)
         self._batches = {step: batch}  # a step's batch replaces the last one: one step in flight per rank
         if olds is not None:  # every rank computed all of them
@@ -188,7 +191,8 @@ class TrainerWorker(MegatronRank):
         rows = self._read_fields(batch, inputs)
         advantages, returns, _ = advantage_stage(batch, self.config, **rows)
         out = {"advantages": advantages} if returns is None else {"advantages": advantages, "returns": returns}
-        self.data.put_fields(step, [s.index for s in batch.samples], **out)
+        if not self._holds_every_field():
+            self.data.put_fields(step, [s.index for s in batch.samples], **out)
         self._keep_rows(step, advantages=advantages)
         return {"perf/advantages_time": time.perf_counter() - t0}
 
@@ -275,7 +279,8 @@ class TrainerWorker(MegatronRank):
         inputs = [{"tokens": torch.tensor(s.prompt_tokens + s.response_tokens, dtype=torch.long),
                    "response_length": len(s.response_tokens)} for s in mine]
         logprobs = self.reference.compute_logprobs(inputs, self.config.rollout_temperature) if inputs else []
-        self.data.put_fields(step, [s.index for s in mine], ref_logprobs=logprobs)
+        if not self._holds_every_field():
+            self.data.put_fields(step, [s.index for s in mine], ref_logprobs=logprobs)
         if layout.dp == 1:
             self._keep_rows(step, ref_logprobs=logprobs)
         return {"samples": len(mine), "seconds": time.perf_counter() - t0}
