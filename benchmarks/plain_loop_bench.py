@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/plain_loop_bench.py                 # both, 10 steps each
     .venv/bin/python benchmarks/plain_loop_bench.py --steps 6 --skip-relax
+    .venv/bin/python benchmarks/plain_loop_bench.py --steps 8 --rounds 3   # relax, loop, relax, loop, ...
 
 The loop is the floor `relax-train` must beat: no Ray, no HTTP, no data plane. Per step it does the same work
 as the embedded default (`relax-train --output-dir DIR`, no model or data flags): the same tiny model,
@@ -251,9 +252,11 @@ def _median(recs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in recs) if recs else float("nan")
 
 
-def report(loop: list[dict], relax: list[dict], warmup: int) -> None:
+def report(loop: list[dict], relax: list[dict], warmup: int, skipped: int | None = None) -> None:
+    """`skipped`: the records were already cut to steps `skipped`.. of each run (several rounds)."""
     lo, rx = loop[warmup:] or loop, relax[warmup:] or relax
-    print(f"\nmedian seconds per step (steps {warmup}.. of each run; loop {len(lo)}, relax {len(rx)} measured)")
+    first = warmup if skipped is None else skipped
+    print(f"\nmedian seconds per step (steps {first}.. of each run; loop {len(lo)}, relax {len(rx)} measured)")
     print(f"{'phase':<10}{'loop':>10}{'relax':>10}{'relax/loop':>12}")
     for key in (*PHASES, "step_time"):
         a, b = _median(lo, key), _median(rx, key)
@@ -281,6 +284,9 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads of the loop (default: what a Relax trainer actor gets, "
                         "relax.config.env.threads_per_process)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="alternate relax-train and the loop this many times; on a shared machine whose load drifts, "
+                        "the median of the per-round ratios is the figure to read")
     p.add_argument("--keep", default=None, help="keep the run folders here (default: a temporary folder)")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more relax-train flags (both sides)")
     args = p.parse_args()
@@ -290,29 +296,45 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.keep or tmp)
         root.mkdir(parents=True, exist_ok=True)
+        relax, loop, ratios = [], [], []
+        for rnd in range(args.rounds):
+            print(f"{'' if args.rounds == 1 else f'round {rnd + 1} of {args.rounds}: '}"
+                  f"uptime: {os.popen('uptime').read().strip()}")
+            rx, lo = run_round(args, root / (f"round{rnd}" if args.rounds > 1 else "."), parse_config)
+            # each round's own warm-up steps are left out; its ratio compares runs made minutes apart at most
+            relax += rx[args.warmup:] or rx
+            loop += lo[args.warmup:] or lo
+            if rx and lo:
+                ratios.append(_median(rx[args.warmup:] or rx, "step_time") / _median(lo[args.warmup:] or lo, "step_time"))
         print(f"uptime: {os.popen('uptime').read().strip()}")
-        relax, loop = [], []
-        if not args.skip_relax:
-            print(f"relax-train --num-rollout {args.steps} (log: {root / 'relax.log'}) ...", flush=True)
-            relax, launch = run_relax(args.steps, root / "relax", args.extra)
-            for r in relax:
-                print(f"  relax step {r['step']}: {r['step_time']:.2f} s (gen {r['generate']:.2f}, ref "
-                      f"{r['ref']:.2f}, train {r['train']:.2f}, sync {r['sync']:.3f}) reward {r['reward']:.3f}")
-            print(f"relax launch to first step: {launch:.1f} s" if launch is not None else "launch: unknown")
-        if not args.skip_loop:
-            config = parse_config(["--output-dir", str(root / "loop"), *args.extra])
-            # A Relax trainer actor's torch threads (relax/core/controller.py).
-            world = config.resource["actor"][0] * config.resource["actor"][1]
-            threads = args.threads or threads_per_process(world)
-            print(f"plain loop: {threads} torch threads, {config.rollout_batch_size} prompts x "
-                  f"{config.n_samples_per_prompt}, {config.rollout_max_response_len} new tokens, "
-                  f"{config.num_steps_per_rollout} updates of {config.global_batch_size} in micro-batches of "
-                  f"{config.micro_batch_size}, kl {config.kl_loss_type} {config.kl_loss_coef}", flush=True)
-            loop = run_loop(config, args.steps, threads)
-        print(f"uptime: {os.popen('uptime').read().strip()}")
-        report(loop, relax, args.warmup)
+        report(loop, relax, 0, args.warmup)
+        if len(ratios) > 1:
+            print(f"per-round ratios: {', '.join(f'{r:.2f}' for r in ratios)}; median {statistics.median(ratios):.2f}")
     return 1 if not (relax or args.skip_relax) else 0
 
+
+def run_round(args: argparse.Namespace, root: Path, parse_config) -> tuple[list[dict], list[dict]]:
+    """One relax-train run, then the loop, both `args.steps` steps: per-step records of each."""
+    root.mkdir(parents=True, exist_ok=True)
+    relax, loop = [], []
+    if not args.skip_relax:
+        print(f"relax-train --num-rollout {args.steps} (log: {root / 'relax.log'}) ...", flush=True)
+        relax, launch = run_relax(args.steps, root / "relax", args.extra)
+        for r in relax:
+            print(f"  relax step {r['step']}: {r['step_time']:.2f} s (gen {r['generate']:.2f}, ref "
+                  f"{r['ref']:.2f}, train {r['train']:.2f}, sync {r['sync']:.3f}) reward {r['reward']:.3f}")
+        print(f"relax launch to first step: {launch:.1f} s" if launch is not None else "launch: unknown")
+    if not args.skip_loop:
+        config = parse_config(["--output-dir", str(root / "loop"), *args.extra])
+        # A Relax trainer actor's torch threads (relax/core/controller.py).
+        world = config.resource["actor"][0] * config.resource["actor"][1]
+        threads = args.threads or threads_per_process(world)
+        print(f"plain loop: {threads} torch threads, {config.rollout_batch_size} prompts x "
+              f"{config.n_samples_per_prompt}, {config.rollout_max_response_len} new tokens, "
+              f"{config.num_steps_per_rollout} updates of {config.global_batch_size} in micro-batches of "
+              f"{config.micro_batch_size}, kl {config.kl_loss_type} {config.kl_loss_coef}", flush=True)
+        loop = run_loop(config, args.steps, threads)
+    return relax, loop
 
 if __name__ == "__main__":
     raise SystemExit(main())
