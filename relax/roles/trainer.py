@@ -227,14 +227,15 @@ class TrainerWorker(MegatronRank):
             kept[name] = [v.detach().float() for v in values]
 
     def _holds_every_field(self) -> bool:
-        """Whether every stage field of a step that this rank reads is one it computed itself: no critic or teacher,
-        and the reference (if any) in this process with one data-parallel rank."""
+        """Whether every stage field of a step that this rank reads is one it computed itself: the only trainer rank
+        (rank 0 alone computes the advantages the others read), no critic or teacher, and the reference (if any)
+        in this process."""
         c = self.config
-        if c.advantage_estimator == "ppo" or c.use_opd:
+        if self.world_size > 1 or c.advantage_estimator == "ppo" or c.use_opd:
             return False
         if not (c.use_kl_loss or c.kl_coef):
             return True
-        return self.reference is not None and self.reference.layout.dp == 1
+        return self.reference is not None
 
     def _written(self, step: int, names: tuple[str, ...]) -> list[str]:
         """Which of the stage fields `names` the step has so far (without asking the data plane when this rank
