@@ -45,9 +45,9 @@ def test_agreement_figures():
     figures = agreement([1.0, 1.0, 0.0, 0.0, 0.8, 0.2], [1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
     assert (figures["both_correct"], figures["both_wrong"], figures["judge_says_correct_exact_wrong"],
             figures["judge_says_wrong_exact_correct"]) == (2, 2, 1, 1)
-    assert figures["agreement"] == pytest.approx(4 / 6)
+    assert figures["agreement"] == pytest.approx(4 / 6, abs=1e-4)  # figures are rounded to 4 places
     # chance agreement with both positive rates 1/2 is 1/2: kappa = (2/3 - 1/2) / (1/2)
-    assert figures["cohen_kappa"] == pytest.approx(1 / 3)
+    assert figures["cohen_kappa"] == pytest.approx(1 / 3, abs=1e-4)
     constant = agreement([0.0, 0.0, 0.0], [0.0, 0.0, 1.0])  # a judge that always says "wrong": no skill
-    assert constant["agreement"] == pytest.approx(2 / 3) and constant["cohen_kappa"] == pytest.approx(0.0)
+    assert constant["agreement"] == pytest.approx(2 / 3, abs=1e-4) and constant["cohen_kappa"] == pytest.approx(0.0)
     assert math.isnan(agreement([1.0], [1.0])["cohen_kappa"]) and agreement([], [])["parsed"] == 0

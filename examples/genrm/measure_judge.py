@@ -102,8 +102,8 @@ def agreement(verdicts: list[float], exact: list[float]) -> dict[str, float]:
     pj, pe = (both + judge_only) / total, (both + exact_only) / total
     chance = pj * pe + (1 - pj) * (1 - pe)
     kappa = (observed - chance) / (1 - chance) if chance < 1 else float("nan")
-    return {"parsed": total, "agreement": observed, "cohen_kappa": kappa, "judge_positive_rate": pj,
-            "exact_positive_rate": pe, "both_correct": both, "both_wrong": neither,
+    return {"parsed": total, "agreement": round(observed, 4), "cohen_kappa": round(kappa, 4),
+            "judge_positive_rate": round(pj, 4), "exact_positive_rate": round(pe, 4), "both_correct": both, "both_wrong": neither,
             "judge_says_correct_exact_wrong": judge_only, "judge_says_wrong_exact_correct": exact_only}
 
 
