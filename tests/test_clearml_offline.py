@@ -107,7 +107,7 @@ def test_metrics_writer_reports_to_an_offline_task(tmp_path, offline):
 
 
 def _use_controller(monkeypatch, run_controller):
-    monkeypatch.setitem(sys.modules, "relax.core.controller", types.SimpleNamespace(run_controller=run_controller))
+    monkeypatch.setitem(sys.modules, "relax.core.run", types.SimpleNamespace(run_controller=run_controller))
 
 
 def test_without_server_or_offline_mode_the_run_stops_before_ray(tmp_path, monkeypatch, capsys):

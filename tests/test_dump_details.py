@@ -11,7 +11,7 @@ import torch
 from conftest import shared_tiny_model
 
 from relax.config import parse_config
-from relax.core.controller import run_controller
+from relax.core.run import run_controller
 from relax.observability.train_dump import load_train_data, save_train_data, train_data_path
 
 

@@ -20,7 +20,7 @@ from conftest import assert_ray_released, shared_ray, shared_tiny_model
 from test_notify import LocalHook
 
 from relax.config import parse_config
-from relax.core.controller import run_controller
+from relax.core.run import run_controller
 from relax.core.health_faults import ENV
 from relax.models.tasks import generate_task_dataset
 from relax.observability.train_dump import load_train_data

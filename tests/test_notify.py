@@ -125,7 +125,7 @@ def test_resolved_config_keeps_schemes_only(tmp_path):
 def _use_controller(monkeypatch, run_controller):
     """The entrypoint imports run_controller from relax.core.controller when the run starts: a stand-in module
     there (the real one would start Ray)."""
-    monkeypatch.setitem(sys.modules, "relax.core.controller", types.SimpleNamespace(run_controller=run_controller))
+    monkeypatch.setitem(sys.modules, "relax.core.run", types.SimpleNamespace(run_controller=run_controller))
 
 
 def _fake_controller(code: int, error: str | None):

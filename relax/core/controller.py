@@ -11,8 +11,6 @@ same stages to relax.core.async_loop (rollout ahead of training by at most --max
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,31 +24,27 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from relax.backends.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
 from relax.backends.engine_client import EngineClient
 from relax.config.config import Config
-from relax.config.env import TIMELINE_ENV, threads_per_process, worker_env
-from relax.config.errors import ConfigError
-from relax.config.explain import write_resolved_config
+from relax.config.env import threads_per_process, worker_env
 from relax.core.async_loop import AsyncLoop
 from relax.core.calls import (descendants, run_bounded, run_quietly, set_watch, stop_processes, wait_all,
                                wait_quietly)
-from relax.core.deadlines import FLAGS, Call, Deadlines, RoleFailure, console_line
+from relax.core.deadlines import FLAGS, Call, Deadlines, RoleFailure
 from relax.core.checkpointing import resume_from, save_checkpoint
 from relax.core.colocate import ColocateProtocol
 from relax.core.health import BOARD_META, HealthManager
-from relax.core.health_faults import fault_from_env
-from relax.core.health_restart import ATTEMPT_META, Restarts, attempt_config
+from relax.core.health_restart import ATTEMPT_META, attempt_config
+from relax.core.ray_cluster import start_ray
 from relax.core.placement import (cluster_has_gpus, colocated_bundles, create_placement_group, role_bundles,
                                   trainer_gpus)
-from relax.core.preflight import preflight
 from relax.core.roles import AuxRoles, build_aux_roles, launch_aux_groups
 from relax.core.stages import Stages
 from relax.data.plane import DataPlane
-from relax.models.embedded import build_embedded_assets
 from relax.observability.accounting import RunAccounting, step_problems
 from relax.observability import timeline
-from relax.observability.console import WORKER_SETUP_HOOK
 from relax.observability.metrics import MetricsWriter
 from relax.observability.metrics_client import MetricsReporter
 from relax.observability.metrics_service import start_metrics_service, stop_metrics_service
+from relax.roles.engine import launch_rollout_engines
 from relax.roles.rollout import RolloutManager
 from relax.roles.trainer import TrainerWorker
 from relax.weights.shm import sweep_stale_segments
@@ -61,7 +55,7 @@ trace_log = logging.getLogger("relax.trace")  # tracebacks: the run's log file o
 
 
 class Controller:
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, earlier_children: set[int] | None = None):
         if config.use_health_check and BOARD_META not in config.meta:  # the heartbeat board the ranks report to
             config = attempt_config(config, 0, config.load)
         self.config = config
@@ -75,6 +69,9 @@ class Controller:
         self.data = None
         self.workers: list[Any] = []
         self.rollout = None
+        # (actor, ref of its start) of the rollout engines begun before the rollout manager took them over; the
+        # driver owns these actors, so the shutdown kills them too
+        self._launched_engines: list[tuple[Any, Any]] | None = None
         self.placement_groups: list[Any] = []
         self.metrics = None
         self.metrics_service = None  # the --use-metrics-service actor (relax.observability.metrics_service)
@@ -91,7 +88,8 @@ class Controller:
         # --fully-async: the rollout call that runs beside the training calls (relax.core.async_loop)
         self._in_flight_async: list[tuple[Any, Any]] = []
         # Processes this one had started before the run (e.g. a test's servers): the shutdown leaves them alone.
-        self._earlier_children = {p.pid for p in descendants()}
+        # `earlier_children`: when Ray was started before this object (relax.core.run), those known before that.
+        self._earlier_children = earlier_children if earlier_children is not None else {p.pid for p in descendants()}
 
     # ------------------------------------------------------------------ start-up
     def start(self) -> None:
@@ -99,20 +97,7 @@ class Controller:
         actor_world = c.actor_world_size
         # One secret per run guards every engine's control endpoints; roles receive it in their environment.
         engine_key = {ENGINE_API_KEY_ENV: ensure_engine_api_key()}
-        if not ray.is_initialized():
-            address = os.environ.get("RAY_ADDRESS")
-            # the hook gives the roles' Relax records the driver's line shape, to keep them on the console
-            job_env = {"env_vars": {**worker_env(), **engine_key}, "worker_process_setup_hook": WORKER_SETUP_HOOK}
-            if address:
-                ray.init(address=address, runtime_env=job_env, log_to_driver=True)
-            else:
-                # No prestarted idle workers: Ray would start one per logical CPU (16+) for the first driver, each
-                # importing Ray, while the roles start. Every role is an actor with a runtime env of its own, which a
-                # plain prestarted worker cannot serve, so they only compete for the cores and for Ray's two
-                # concurrent worker starts (measured: a 1-step embedded run 10-45% faster on 2 cores).
-                ray.init(num_cpus=max(16, 4 * actor_world + 8), include_dashboard=False,
-                         runtime_env=job_env, log_to_driver=True,
-                         _system_config={"prestart_worker_first_driver": False})
+        if start_ray(c):
             self.started_ray = True
         if c.use_health_check:  # before the roles: every Megatron rank beats from its constructor on
             self.health = HealthManager(c)
@@ -139,6 +124,9 @@ class Controller:
                                   ).remote(c, rank, actor_world, threads)
             for rank in range(actor_world)
         ]
+        if not c.debug_train_only and not c.colocate and not c.rollout_external:
+            # begun here, not by the rollout manager: see relax.roles.engine.launch_rollout_engines
+            self._launched_engines = launch_rollout_engines(c, pg_rollout)
         launched_aux = launch_aux_groups(c, use_gpu=use_gpu)
         # held from now on, so that a failing start-up shuts them down too
         self.aux = AuxRoles(c, launched_aux.get("reference"), critic=launched_aux.get("critic"),
@@ -148,7 +136,8 @@ class Controller:
         self.rollout = RolloutManager.options(num_cpus=1, runtime_env={"env_vars": {**worker_env(), **engine_key}}).remote(c)
         engines_ref = None
         if not c.debug_train_only and not c.colocate:
-            engines_ref = self.rollout.start_engines.remote(pg_rollout, weight_source=self.workers[0])
+            engines_ref = self.rollout.start_engines.remote(pg_rollout, weight_source=self.workers[0],
+                                                            launched=self._launched_engines)
         capacity = c.rollout_batch_size * (c.max_staleness + 1) * c.n_samples_per_prompt
         # "packed" moves each sample as one record: 3-5x faster than one message part per field.
         self.data = DataPlane.start(c.num_data_storage_units, capacity_samples=capacity,
@@ -410,7 +399,8 @@ class Controller:
         wait_quietly(stops, grace)
         if aux_stop is not None:
             aux_stop.join(max(0.0, grace - (time.monotonic() - t0)))
-        for actor in self.workers + aux_actors + ([self.rollout] if self.rollout is not None else []):
+        engines = [actor for actor, _ in self._launched_engines or []]
+        for actor in self.workers + aux_actors + ([self.rollout] if self.rollout is not None else []) + engines:
             try:
                 ray.kill(actor)
             except Exception:
@@ -465,83 +455,3 @@ class Controller:
             self.aux.shutdown()
         except Exception as exc:
             trace_log.warning("auxiliary roles shutdown", exc_info=exc)
-
-
-def _raise_interrupt(signum, frame):
-    _raise_interrupt.received = signal.Signals(signum).name  # Ray may re-raise the interrupt without its text
-    raise KeyboardInterrupt(_raise_interrupt.received)
-
-
-def _note_signal(signum, frame):
-    """During the shutdown: a second SIGTERM/SIGINT must not cut the cleanup short (it is bounded anyway)."""
-    logger.warning("%s received during shutdown; still stopping", signal.Signals(signum).name)
-
-
-def _install_signal_handlers(handler=_raise_interrupt) -> None:
-    """SIGTERM and SIGINT stop the run cleanly, also when the shell started it with SIGINT ignored
-    (a background job of a script) or Ray replaced a handler."""
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-
-
-def run_controller(config: Config) -> int:
-    out = Path(config.output_dir)
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    out.chmod(0o700)  # logs and configs of a run can hold paths and hosts of a private setup: owner only
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        handlers=[logging.StreamHandler(), logging.FileHandler(out / "logs" / "relax.log")])
-    write_resolved_config(config)
-    if config.timeline_dump_dir:  # before Ray: every role inherits it (relax.config.env.worker_env)
-        os.environ[TIMELINE_ENV] = str(Path(config.timeline_dump_dir).resolve())
-    if config.dump_details:
-        write_resolved_config(config, Path(config.dump_details) / "config.yaml")
-    if config.meta.get("embedded_default"):
-        info = build_embedded_assets(config.hf_checkpoint, config.prompt_data, seed=config.seed % 1000)
-        logger.info("embedded default assets: %s", info)
-    try:
-        for note in preflight(config):
-            logger.warning("%s", note)
-    except ConfigError as exc:
-        logger.error("%s", exc)
-        return 2
-    log_path = out / "logs" / "relax.log"
-    trace_log.propagate = False  # full tracebacks go to the log file only
-    trace_log.addHandler(logging.FileHandler(log_path))
-    # The failure the loop reports is the one line below; errors of the other ranks' calls that were left
-    # behind would otherwise print their tracebacks on the console when Ray drops them.
-    os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
-    _install_signal_handlers()
-    controller = Controller(config)
-    controller.fault = fault_from_env()  # tests only: RELAX_TEST_TRAINER_FAULT (relax.core.health_faults)
-    restarts = Restarts(config) if config.use_health_check else None
-    try:
-        while True:
-            try:
-                controller.start()
-                _install_signal_handlers()  # ray.init replaces the SIGTERM handler with its own sys.exit
-                if restarts is not None:
-                    restarts.started(controller)
-                controller.run()
-                break
-            except Exception as exc:  # --use-health-check: tear the attempt down, resume from the checkpoint
-                if restarts is None or not restarts.should_restart(controller, exc):
-                    raise
-                trace_log.error("traceback of the failure before restart %d", restarts.ledger.restarts + 1,
-                                exc_info=True)
-                controller = restarts.restart(controller, Controller, exc)
-        logger.info("finished %d rollout steps; output in %s", config.num_rollout, out)
-        return 0
-    except KeyboardInterrupt:
-        received = getattr(_raise_interrupt, "received", None) or "SIGINT"
-        logger.error("interrupted by %s; shutting down", received)
-        return 128 + signal.Signals[received].value  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
-    except SystemExit as exc:  # a signal that arrived while Ray's own handler was installed
-        logger.error("terminated (exit %s); shutting down", exc.code)
-        return 143
-    except Exception as exc:
-        logger.error("%s", console_line(exc, log_path))
-        trace_log.error("traceback of the failure", exc_info=True)
-        return 1
-    finally:
-        _install_signal_handlers(_note_signal)
-        controller.shutdown()

@@ -12,7 +12,7 @@ storage unit or a reward function, has a deadline taken from a documented flag:
 
 A call past its deadline, or one that raised inside an actor, becomes a `RoleFailure` whose text is the one
 line the console shows: who (role, rank, address), when (step), what it was doing, and the cause. The
-traceback goes to the run's log file (`relax.core.controller.run_controller`).
+traceback goes to the run's log file (`relax.core.run.run_controller`).
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ class RestartLedger:
 
 
 class Restarts:
-    """The driver's restart loop state across the run's attempts (used by relax.core.controller.run_controller)."""
+    """The driver's restart loop state across the run's attempts (used by relax.core.run.run_controller)."""
 
     def __init__(self, config: Any):
         self.config = config
@@ -176,9 +176,8 @@ class Restarts:
                                 "resume_step": step, "discarded_records": discarded, "time": time.time()}) + "\n")
         detail = f"{self.last_who or failed_who(exc)} failed ({exc}); restart {n} of {self.ledger.max_restarts} from step {step}"
         Notifier.from_config(self.config).restarted(detail)
-        nxt = make(attempt_config(self.config, n, load))
+        nxt = make(attempt_config(self.config, n, load), earlier_children=controller._earlier_children)
         nxt.started_ray = controller.started_ray  # the first attempt's Ray: the last attempt's shutdown stops it
-        nxt._earlier_children = controller._earlier_children
         nxt.fault = controller.fault
         for record in step_records(kept):  # the run's sample accounting: the steps that survive
             nxt.accounting.add(record)

@@ -65,7 +65,7 @@ def _main(argv: list[str] | None, held: HeldWarnings) -> int:
     # Routed before the controller's imports: TransferQueue gives its loggers a console handler of their own
     # when the root logger has none at import time.
     with route(out / "logs" / "relax.log", held) as output:
-        from relax.core.controller import run_controller
+        from relax.core.run import run_controller
         from relax.observability.ray_console import route_ray_output
 
         with route_ray_output(output):

@@ -8,9 +8,12 @@ import signal
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from relax.backends.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
 from relax.backends.embedded.launcher import EmbeddedServerProcess
 from relax.backends.sglang.server import SGLangServerProcess
+from relax.config.env import threads_per_process
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +26,59 @@ def engine_bind_host() -> str:
         return "127.0.0.1"
     alive = [node for node in ray.nodes() if node.get("Alive")]
     return ray.util.get_node_ip_address() if len(alive) > 1 else "127.0.0.1"
+
+
+def engine_server_args(config: Any, backend: str) -> dict[str, Any]:
+    """The server options of the run's rollout engines of `backend`."""
+    if backend == "embedded":
+        args = {"dtype": "float32", "random_seed": config.rollout_seed,
+                "num_threads": threads_per_process(config.num_engines),
+                "max_running_requests": 256}
+        if config.rollout_max_context_len:
+            args["context_length"] = config.rollout_max_context_len
+        if config.offload_rollout:  # released weights really free their storage
+            args["offload_weights_on_release"] = True
+        return args
+    args = {k[len("sglang_"):]: v for k, v in config.items()
+            if k.startswith("sglang_") and not k.startswith("sglang_router_") and v is not None}
+    args.setdefault("random_seed", config.rollout_seed)
+    if config.offload_rollout:  # /release_memory_occupation needs SGLang's memory saver
+        args.setdefault("enable_memory_saver", True)
+    if config.rollout_max_context_len:
+        args.setdefault("context_length", config.rollout_max_context_len)
+    if config.use_metrics_service:  # SGLang serves /metrics only with --enable-metrics
+        args.setdefault("enable_metrics", True)
+    return args
+
+
+def engine_actor(backend: str, model_path: str, server_args: dict[str, Any], gpus_per_engine: int,
+                 log_dir: str, engine_id: int, placement: Any = None) -> Any:
+    """Engine `engine_id`'s actor (its server not started yet), on `placement` = (placement group, bundle
+    index) when given. The run's engine key is handed on explicitly: a Ray started elsewhere carries no job
+    environment."""
+    options: dict[str, Any] = {"num_cpus": 1,
+                               "runtime_env": {"env_vars": {ENGINE_API_KEY_ENV: ensure_engine_api_key()}}}
+    if placement is not None and placement[0] is not None:
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement_group=placement[0], placement_group_bundle_index=placement[1])
+    return EngineActor.options(**options).remote(backend, model_path, server_args, gpus_per_engine, log_dir,
+                                                 engine_id)
+
+
+def rollout_engine_actor(config: Any, engine_id: int, placement: Any = None) -> Any:
+    """One of the run's rollout engines (--hf-checkpoint on --rollout-backend, logs in the run's folder)."""
+    return engine_actor(config.rollout_backend, config.hf_checkpoint,
+                        engine_server_args(config, config.rollout_backend), config.rollout_num_gpus_per_engine,
+                        os.path.join(config.output_dir, "logs"), engine_id, placement)
+
+
+def launch_rollout_engines(config: Any, placement_group: Any) -> list[tuple[Any, Any]]:
+    """The run's first rollout engines, one per bundle of `placement_group`, with their servers starting:
+    (actor, ref of its `start`) each, for `RolloutManager.start_engines`. Begun by the controller as soon as
+    the placement exists: an engine's start (a process that imports torch and transformers, then loads the
+    model) no longer waits for the rollout manager's own imports, tokenizer and prompt data."""
+    actors = [rollout_engine_actor(config, i, (placement_group, i)) for i in range(config.num_engines)]
+    return [(actor, actor.start.remote()) for actor in actors]
 
 
 PORT_TAKEN = "address already in use"
@@ -60,6 +116,8 @@ class EngineActor:
 
     def start(self, timeout_s: float = 300.0) -> str:
         host = engine_bind_host()
+        if self.log_path:  # this node's copy of the run's log folder (engines may start before anything made it)
+            os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
 
         def make():
             if self.backend == "embedded":

@@ -24,15 +24,12 @@ from typing import Any
 
 import ray
 from ray.util.placement_group import remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from relax.backends.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
 from relax.backends.relax_router.process import router_from_config
 from relax.backends.sglang.router import RouterProcess
 from relax.config.autoscaler import load_autoscaler_config
-from relax.config.env import threads_per_process
 from relax.core.health import start_heartbeat
 from relax.core.placement import cluster_has_gpus, create_placement_group, engine_bundle
 from relax.data.plane import DataPlane
@@ -42,7 +39,7 @@ from relax.observability.accounting import delivery_accounting
 from relax.observability import timeline
 from relax.observability.metrics_client import MetricsReporter
 from relax.rollout.autoscaler import Autoscaler
-from relax.roles.engine import EngineActor, engine_bind_host
+from relax.roles.engine import engine_bind_host, engine_server_args, rollout_engine_actor
 from relax.rollout import generate as generation
 from relax.rollout.buffer import build_data_source
 from relax.rollout.context import RolloutContext, RolloutOutput, load_hook
@@ -57,28 +54,6 @@ from relax.rollout.rewards.genrm import set_active_judge
 from relax.rollout.step_logs import group_variance_metrics, step_log_metrics
 
 logger = logging.getLogger(__name__)
-
-
-def engine_server_args(config: Any, backend: str) -> dict[str, Any]:
-    if backend == "embedded":
-        args = {"dtype": "float32", "random_seed": config.rollout_seed,
-                "num_threads": threads_per_process(config.num_engines),
-                "max_running_requests": 256}
-        if config.rollout_max_context_len:
-            args["context_length"] = config.rollout_max_context_len
-        if config.offload_rollout:  # released weights really free their storage
-            args["offload_weights_on_release"] = True
-        return args
-    args = {k[len("sglang_"):]: v for k, v in config.items()
-            if k.startswith("sglang_") and not k.startswith("sglang_router_") and v is not None}
-    args.setdefault("random_seed", config.rollout_seed)
-    if config.offload_rollout:  # /release_memory_occupation needs SGLang's memory saver
-        args.setdefault("enable_memory_saver", True)
-    if config.rollout_max_context_len:
-        args.setdefault("context_length", config.rollout_max_context_len)
-    if config.use_metrics_service:  # SGLang serves /metrics only with --enable-metrics
-        args.setdefault("enable_metrics", True)
-    return args
 
 
 # Samples in flight per engine for SGLang servers without --sglang-max-running-requests: slime's default
@@ -188,10 +163,12 @@ class RolloutManager:
         return self._data
 
     # ------------------------------------------------------------------ engines and router
-    def start_engines(self, placement_group=None, bundle_offset: int = 0, weight_source: Any = None) -> list[str]:
+    def start_engines(self, placement_group=None, bundle_offset: int = 0, weight_source: Any = None,
+                      launched: list[tuple[Any, Any]] | None = None) -> list[str]:
         """The router, then the run's engines in the pool (one per bundle of `placement_group` from
         `bundle_offset`). `weight_source`: trainer rank 0, which pushes the current weights to an engine that
-        joins later (with --use-fault-tolerance it keeps them for that)."""
+        joins later (with --use-fault-tolerance it keeps them for that). `launched`: the engines' actors and
+        the refs of their starts, when the controller began them (relax.roles.engine.launch_rollout_engines)."""
         c = self.config
         log_dir = os.path.join(c.output_dir, "logs")
         os.makedirs(log_dir, exist_ok=True)
@@ -220,7 +197,7 @@ class RolloutManager:
         else:
             placements = [(placement_group, bundle_offset + i) if placement_group is not None else None
                           for i in range(count)]
-            urls = self.pool.start_initial(placements)
+            urls = self.pool.start_initial(placements, launched=launched)
         for i, url in enumerate(urls):  # the metrics service scrapes each engine's /metrics in its own thread
             self.reporter.watch_engine("engine", i, url)
         if c.use_fault_tolerance and not c.rollout_external:
@@ -236,23 +213,14 @@ class RolloutManager:
                     partial_policy=c.scale_out_partial_success_policy, drain_timeout_s=c.scale_in_drain_timeout,
                     log_path=os.path.join(c.output_dir, "autoscaler.jsonl")).start()
         if c.genrm_model_path:  # never a push target: push_targets reads self.pool alone
-            self.genrm = GenRMService(c, engine_server_args)
+            self.genrm = GenRMService(c)
             self.genrm.start()
             self.rewards.genrm = self.genrm.judge
             set_active_judge(self.genrm.judge)  # evaluation sets' reward runners judge with it too
         return urls
 
     def _make_engine_actor(self, engine_id: int, placement: Any) -> Any:
-        c = self.config
-        # The run's engine key, handed on explicitly: a Ray started elsewhere carries no job environment.
-        options: dict[str, Any] = {"num_cpus": 1,
-                                   "runtime_env": {"env_vars": {ENGINE_API_KEY_ENV: ensure_engine_api_key()}}}
-        if placement is not None:
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=placement[0], placement_group_bundle_index=placement[1])
-        return EngineActor.options(**options).remote(
-            self.backend, c.hf_checkpoint, engine_server_args(c, self.backend), c.rollout_num_gpus_per_engine,
-            os.path.join(c.output_dir, "logs"), engine_id)
+        return rollout_engine_actor(self.config, engine_id, placement)
 
     def _new_placement(self) -> Any:
         """Room for one engine beyond the run's first ones: a placement group of its own (one bundle)."""

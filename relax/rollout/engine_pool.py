@@ -143,13 +143,21 @@ class EnginePool:
             self.next_id += 1
         return engine
 
-    def start_initial(self, placements: list[Any]) -> list[str]:
+    def start_initial(self, placements: list[Any], launched: Optional[list[tuple[Any, Any]]] = None) -> list[str]:
         """The run's first engines, one per placement, started at once and registered as they are: every one
-        serves --hf-checkpoint, which is the weights of the run's start."""
+        serves --hf-checkpoint, which is the weights of the run's start. `launched`: (actor, ref of its
+        `start`) per placement, for engines whose start was begun elsewhere (the controller begins them
+        before the rollout manager is up, relax.core.controller)."""
         records = [self._new_record(placement=p) for p in placements]
-        for e in records:
-            e.actor = self.make_actor(e.id, e.placement)
-        urls = ray.get([e.actor.start.remote() for e in records])
+        if launched is not None:
+            for e, (actor, _) in zip(records, launched):
+                e.actor = actor
+            starts = [ref for _, ref in launched]
+        else:
+            for e in records:
+                e.actor = self.make_actor(e.id, e.placement)
+            starts = [e.actor.start.remote() for e in records]
+        urls = ray.get(starts)
         for e, url in zip(records, urls):
             e.url = url
             self._register(e)

@@ -22,13 +22,11 @@ import os
 from typing import Any
 
 from ray.util.placement_group import remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from transformers import AutoTokenizer
 
-from relax.backends.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
 from relax.backends.sglang.router import RouterProcess
 from relax.core.placement import cluster_has_gpus, create_placement_group
-from relax.roles.engine import EngineActor
+from relax.roles.engine import engine_actor, engine_server_args
 from relax.rollout.engine_pool import EnginePool, HealthMonitor, stop_engines
 from relax.rollout.genrm.config import engine_config
 from relax.rollout.rewards.genrm import GenRMJudge
@@ -41,17 +39,17 @@ def genrm_num_engines(config: Any) -> int:
 
 
 class GenRMService:
-    """Started by the rollout manager (`start`), stopped with it (`shutdown`). `server_args(backend)` gives the
-    rollout engines' server options for `backend` (relax.roles.rollout.engine_server_args)."""
+    """Started by the rollout manager (`start`), stopped with it (`shutdown`). Its engines take the rollout
+    engines' server options, with --genrm-engine-config's on top."""
 
-    def __init__(self, config: Any, server_args: Any):
+    def __init__(self, config: Any):
         self.config = config
         self.backend = config.rollout_backend
         options, ignored = engine_config(config.genrm_engine_config, self.backend)
         if ignored:
             logger.warning("--genrm-engine-config %s: no effect with the embedded engine (SGLang sizing options)",
                            ", ".join(ignored))
-        args = dict(server_args(config, self.backend))
+        args = dict(engine_server_args(config, self.backend))
         args.pop("offload_weights_on_release", None)  # never released (see the module doc)
         args.update(options)
         self.server_args = args
@@ -84,14 +82,8 @@ class GenRMService:
         return urls
 
     def _make_actor(self, engine_id: int, placement: Any) -> Any:
-        c = self.config
-        options: dict[str, Any] = {"num_cpus": 1,
-                                   "runtime_env": {"env_vars": {ENGINE_API_KEY_ENV: ensure_engine_api_key()}}}
-        if placement is not None and placement[0] is not None:
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=placement[0], placement_group_bundle_index=placement[1])
-        return EngineActor.options(**options).remote(self.backend, c.genrm_model_path, self.server_args,
-                                                     c.genrm_num_gpus_per_engine, self.log_dir, engine_id)
+        return engine_actor(self.backend, self.config.genrm_model_path, self.server_args,
+                            self.config.genrm_num_gpus_per_engine, self.log_dir, engine_id, placement)
 
     def urls(self) -> list[str]:
         return self.pool.urls() if self.pool is not None else []
