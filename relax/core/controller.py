@@ -124,18 +124,20 @@ class Controller:
                                   ).remote(c, rank, actor_world, threads)
             for rank in range(actor_world)
         ]
-        if not c.debug_train_only and not c.colocate and not c.rollout_external:
+        # The rollout side (manager, engines, router) is independent of the trainer until the first weight push.
+        # Colocated roles share devices, so on GPUs there the engines start after the trainer has taken its
+        # memory; on CPU there is no device memory to share, and they start beside the trainer as otherwise.
+        engines_early = not c.debug_train_only and (not c.colocate or not use_gpu)
+        if engines_early and not c.rollout_external:
             # begun here, not by the rollout manager: see relax.roles.engine.launch_rollout_engines
             self._launched_engines = launch_rollout_engines(c, pg_rollout)
         launched_aux = launch_aux_groups(c, use_gpu=use_gpu)
         # held from now on, so that a failing start-up shuts them down too
         self.aux = AuxRoles(c, launched_aux.get("reference"), critic=launched_aux.get("critic"),
                             teacher=launched_aux.get("teacher"))
-        # The rollout side (manager, engines, router) is independent of the trainer until the first weight
-        # push. Colocated roles share devices, so there the engines start after the trainer has taken its memory.
         self.rollout = RolloutManager.options(num_cpus=1, runtime_env={"env_vars": {**worker_env(), **engine_key}}).remote(c)
         engines_ref = None
-        if not c.debug_train_only and not c.colocate:
+        if engines_early:
             engines_ref = self.rollout.start_engines.remote(pg_rollout, weight_source=self.workers[0],
                                                             launched=self._launched_engines)
         capacity = c.rollout_batch_size * (c.max_staleness + 1) * c.n_samples_per_prompt
