@@ -29,7 +29,9 @@ pytestmark = pytest.mark.e2e  # whole runs: Ray, trainer ranks, engines (deselec
 BATCH, N = 2, 2  # prompts per step, samples per prompt
 
 
-def _config(tmp_path, steps, *extra):
+def _config(tmp_path, steps, *extra, ranks=2):
+    """`ranks` trainer ranks: 2 where a rank of a group fails, 1 where the fault is elsewhere or the rank count
+    does not matter (one process fewer to start)."""
     data = str(generate_task_dataset(tmp_path / "train.jsonl", 20, seed=0, task="add_mod10"))
     out = tmp_path / "out"
     return parse_config([
@@ -37,7 +39,7 @@ def _config(tmp_path, steps, *extra):
         "--input-key", "input", "--label-key", "label", "--rm-type", "random", "--rollout-batch-size", str(BATCH),
         "--n-samples-per-prompt", str(N), "--num-rollout", str(steps), "--rollout-max-response-len", "4",
         "--micro-batch-size", "2", "--lr", "1e-3", "--lr-decay-style", "constant",
-        "--resource", '{"actor": [1, 2], "rollout": [1, 1]}', "--num-data-storage-units", "1",
+        "--resource", json.dumps({"actor": [1, ranks], "rollout": [1, 1]}), "--num-data-storage-units", "1",
         "--distributed-backend", "gloo", "--use-health-check", "--heartbeat-interval", "0.5",
         "--output-dir", str(out), *extra])
 
@@ -93,7 +95,7 @@ def test_hung_rank_past_max_global_restart(tmp_path, monkeypatch, caplog):
     # --max-global-restart 0: the hang is found and the run gives up at once (restarts are the other tests')
     shared_ray()
     monkeypatch.setenv(ENV, "hang:rank=0:step=0")
-    config = _config(tmp_path, 1, "--heartbeat-timeout", "4", "--max-global-restart", "0")
+    config = _config(tmp_path, 1, "--heartbeat-timeout", "4", "--max-global-restart", "0", ranks=1)
     with caplog.at_level(logging.INFO, logger="relax"):
         assert run_controller(config) == 1
     assert_ray_released()
@@ -110,7 +112,7 @@ def test_hung_rollout_manager_restarts_the_run(tmp_path, monkeypatch, caplog):
     shared_ray()
     monkeypatch.setenv(ENV, "hang:role=rollout:step=0:call=generate")
     out = tmp_path / "out"
-    config = _config(tmp_path, 1, "--heartbeat-timeout", "4", "--max-global-restart", "1")
+    config = _config(tmp_path, 1, "--heartbeat-timeout", "4", "--max-global-restart", "1", ranks=1)
     with caplog.at_level(logging.INFO, logger="relax"):
         assert run_controller(config) == 0
     assert_ray_released()

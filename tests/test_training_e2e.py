@@ -1,5 +1,5 @@
 """End to end through the controller with a reference role: real Ray, Megatron-core over gloo (2 data-parallel
-ranks for actor and reference), 2 embedded engines, TransferQueue.
+ranks for actor and reference), 1 embedded engine, TransferQueue.
 
 1. GRPO + KL loss (low_var_kl) + TIS + --ref-update-interval 2 over 3 steps: the KL is 0 while the reference
    equals the actor (step 0), positive once the actor moved (step 1), and 0 again after the refresh (step 2).
@@ -35,7 +35,7 @@ def _argv(model, data, out, *extra):
     return ["--hf-checkpoint", model, "--prompt-data", data, "--apply-chat-template", "--input-key", "input",
             "--label-key", "label", "--rm-type", "random", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
             "--rollout-max-response-len", "4", "--micro-batch-size", "4", "--lr", "1e-2",
-            "--resource", '{"actor": [1, 2], "rollout": [1, 2]}', "--num-data-storage-units", "1",
+            "--resource", '{"actor": [1, 2], "rollout": [1, 1]}', "--num-data-storage-units", "1",
             "--output-dir", str(out), "--distributed-backend", "gloo", *extra]
 
 

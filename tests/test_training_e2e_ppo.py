@@ -1,5 +1,5 @@
 """End to end through the controller with a critic role (PPO) and a teacher role (on-policy distillation): real
-Ray, Megatron-core over gloo (2 data-parallel ranks per role), 2 embedded engines, TransferQueue.
+Ray, Megatron-core over gloo (2 data-parallel ranks per role), 1 embedded engine, TransferQueue.
 
 1. PPO over 2 steps with --num-critic-only-steps 1 and --critic-save: no actor update in step 0, one in step 1;
    actor and critic weights change; critic metrics are finite; the critic checkpoint is written.
@@ -36,7 +36,7 @@ def _argv(model, data, out, *extra):
     return ["--hf-checkpoint", model, "--prompt-data", data, "--apply-chat-template", "--input-key", "input",
             "--label-key", "label", "--rm-type", "random", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
             "--rollout-max-response-len", "4", "--micro-batch-size", "4", "--lr", "1e-2",
-            "--resource", '{"actor": [1, 2], "rollout": [1, 2]}', "--num-data-storage-units", "1",
+            "--resource", '{"actor": [1, 2], "rollout": [1, 1]}', "--num-data-storage-units", "1",
             "--output-dir", str(out), "--distributed-backend", "gloo", "--advantage-estimator", "ppo", *extra]
 
 
