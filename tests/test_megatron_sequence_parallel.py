@@ -50,8 +50,12 @@ def test_sequence_parallel_matches_tensor_parallel_alone(ranks):
             assert mb["loss"] == pytest.approx(ma["loss"], rel=1e-6, abs=1e-7)
             assert mb["grad_norm"] == pytest.approx(ma["grad_norm"], rel=1e-6)
         assert plain["weights"].keys() == sp["weights"].keys()
-        for key, tensor in plain["weights"].items():  # what a weight push would send to the engines
-            torch.testing.assert_close(sp["weights"][key], tensor, rtol=1e-6, atol=1e-7)
+        # what a weight push would send to the engines; float32 round-off apart: without sequence parallelism the LM
+        # head runs on the response rows alone (relax.backends.megatron.response_positions), with it on every
+        # position, so the two matmuls round differently (seen: 4e-7 on a weight of 0.08 after 2 updates; a missing
+        # gradient reduction over the tensor-parallel ranks is off by orders of magnitude more)
+        for key, tensor in plain["weights"].items():
+            torch.testing.assert_close(sp["weights"][key], tensor, rtol=1e-5, atol=1e-6)
 
 
 def test_norm_weights_stay_identical_across_tensor_parallel_ranks(ranks):

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 __all__ = ["MicroBatch", "make_micro_batches", "token_budget_groups", "RESERVED_KEYS"]
 
@@ -73,6 +72,19 @@ def _check_sample(i: int, sample: dict[str, Any]) -> tuple[torch.Tensor, int]:
     return tokens.long(), resp
 
 
+def _pad_rows(rows: Sequence[torch.Tensor], lengths: torch.Tensor, width: int, pad: float | int,
+              dtype: torch.dtype) -> torch.Tensor:
+    """[B, width] right-padded rows: one concatenation and one indexed write (pad_sequence costs a copy per row,
+    ~60 us per 128 rows of a few tokens, and the rows are collated five or six times per field per step)."""
+    out = torch.full((len(rows), width), pad, dtype=dtype)
+    flat = torch.cat(list(rows)).to(dtype)
+    row = torch.repeat_interleave(torch.arange(len(rows)), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    col = torch.arange(flat.numel()) - torch.repeat_interleave(starts, lengths)
+    out[row, col] = flat
+    return out
+
+
 def _collate(samples: Sequence[dict[str, Any]], pad_id: int, seq_multiple: int) -> MicroBatch:
     # Whole-batch tensor ops (padding, index arithmetic) rather than one small op per sample and field:
     # collation of the 512 samples of a step took a quarter of the training time of a tiny model.
@@ -81,9 +93,7 @@ def _collate(samples: Sequence[dict[str, Any]], pad_id: int, seq_multiple: int) 
     resps = torch.tensor([r for _, r in checked], dtype=torch.long)
     seq = math.ceil(int(lengths.max()) / seq_multiple) * seq_multiple
     resp_max = int(resps.max())
-    tokens = pad_sequence([t for t, _ in checked], batch_first=True, padding_value=pad_id)
-    if tokens.shape[1] < seq:
-        tokens = torch.nn.functional.pad(tokens, (0, seq - tokens.shape[1]), value=pad_id)
+    tokens = _pad_rows([t for t, _ in checked], lengths, seq, pad_id, torch.long)
     j = torch.arange(resp_max, dtype=torch.long)
     valid = j.unsqueeze(0) < resps.unsqueeze(1)
     mask = valid.to(torch.float32)
@@ -97,11 +107,13 @@ def _collate(samples: Sequence[dict[str, Any]], pad_id: int, seq_multiple: int) 
         first = values[0]
         if isinstance(first, torch.Tensor) and first.dim() == 1:
             dtype = first.dtype if first.is_floating_point() else torch.float32
-            for value, (_, resp) in zip(values, checked):
-                if value.numel() != resp:
-                    raise ValueError(f"sample field {key!r} has {value.numel()} entries, response has {resp}")
+            sizes = torch.tensor([v.numel() for v in values], dtype=torch.long)
+            if not torch.equal(sizes, resps):
+                bad = int(torch.nonzero(sizes != resps)[0])
+                raise ValueError(f"sample field {key!r} has {int(sizes[bad])} entries, response has "
+                                 f"{int(resps[bad])}")
             # rows are as long as their responses, so the padded width is the longest response
-            fields[key] = pad_sequence([v.to(dtype) for v in values], batch_first=True, padding_value=0.0)
+            fields[key] = _pad_rows(values, resps, resp_max, 0.0, dtype)
         elif isinstance(first, (int, float, bool)) or (isinstance(first, torch.Tensor) and first.dim() == 0):
             fields[key] = torch.tensor([float(v) for v in values], dtype=torch.float32)
         # other values (strings, nested objects) are not model inputs: skipped

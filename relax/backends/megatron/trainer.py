@@ -55,6 +55,7 @@ from relax.backends.megatron.megatron_options import (
 from relax.backends.megatron.model import build_gpt_model
 from relax.backends.megatron.optim import build_optimizer, build_scheduler, wrap_ddp
 from relax.backends.megatron.parallel import ParallelLayout, init_distributed, init_model_parallel
+from relax.backends.megatron import response_positions as positions
 
 __all__ = ["TrainerSettings", "LossFn", "MegatronTrainer", "step_shares"]
 
@@ -439,10 +440,8 @@ class MegatronTrainer:
     def _response_logprobs(
         self, logits: torch.Tensor, mb: MicroBatch, temperature: float, with_entropy: bool
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        index = mb.logit_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-        picked = logits.gather(1, index)
         logprobs, entropy = token_logprobs(
-            picked,
+            positions.at_response_positions(logits, mb),
             mb.targets,
             temperature=temperature,
             with_entropy=with_entropy,
@@ -460,7 +459,7 @@ class MegatronTrainer:
     def _response_values(self, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         """[B, R] float32 values of the response tokens' states: the value head's output at the position
         that predicts each response token (the state before it is generated); 0 at padding."""
-        values = output.squeeze(-1).float().gather(1, mb.logit_index)
+        values = positions.at_response_positions(output, mb).squeeze(-1).float()
         valid = torch.arange(mb.targets.shape[1], device=values.device).unsqueeze(0) < torch.tensor(
             mb.response_lengths, device=values.device
         ).unsqueeze(1)
@@ -471,12 +470,13 @@ class MegatronTrainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         cp = self.settings.cp
+        cut = positions.cut_applies(self.gpt_model, sequence_parallel=self.config.sequence_parallel, cp=cp)
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             if hooks is not None:
                 hooks.before(mb)
-            with native_device_ops():
+            with native_device_ops(), positions.response_rows_only(self.gpt_model, mb, cut):
                 if cp > 1:  # this rank's chunks in, the whole sequence's output back (context_parallel)
                     output = gather_output(model(split_input(mb.tokens), split_input(mb.position_ids), None))
                 else:
@@ -607,10 +607,9 @@ class MegatronTrainer:
                 self.model.train()
         result: Optional[list[torch.Tensor]] = None
         if self.layout.is_last_stage:
-            result = []
-            for out, mb in zip(outputs, micro_batches):
-                for row, length in zip(out["rows"], mb.response_lengths):
-                    result.append(row[:length].clone())
+            with native_device_ops():
+                result = [row for out, mb in zip(outputs, micro_batches)
+                          for row in positions.response_rows(out["rows"], mb)]
         return self._broadcast_from_last_stage(result)
 
     def train_step(
