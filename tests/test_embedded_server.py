@@ -107,6 +107,20 @@ def test_text_input_and_n_samples(server, model_dir):
     assert [x["meta_info"]["prompt_tokens"] for x in r] == [2, 3]
 
 
+def test_n_copies_share_one_prefill_and_report_cached_tokens(server, ref):
+    """SGLang's `n` (a GRPO group): the copies' prompt is prefilled once (prefix.py); each copy past the first
+    reports its whole prompt in `cached_tokens`, and the answers are what a plain forward pass gives."""
+    prompt = [9, 8, 7, 6, 5, 4]
+    out = gen(server, input_ids=[prompt, [3, 4]], return_logprob=True,
+              sampling_params={"max_new_tokens": 5, "n": 4, "temperature": 1.0, "ignore_eos": True})
+    assert [r["meta_info"]["cached_tokens"] for r in out] == [0, 6, 6, 6, 0, 2, 2, 2]
+    for p, r in zip([prompt] * 4 + [[3, 4]] * 4, out):
+        assert r["meta_info"]["prompt_tokens"] == len(p)
+        assert max_abs_diff(response_logprobs(r), reference_logprobs(ref, p, r["output_ids"], 1.0)) <= 1e-5
+    info = requests.get(server.url + "/get_server_info", timeout=T).json()
+    assert info["disable_radix_cache"] is False and info["internal_states"][0]["num_cached_tokens"] >= 3 * 6 + 3 * 2
+
+
 def test_max_new_tokens_and_stop_token_ids(server):
     prompt = [9, 8, 7]
     base = gen(server, input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 12, "ignore_eos": True})

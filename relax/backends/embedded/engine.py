@@ -4,7 +4,9 @@ No HTTP here (see `server.py`). One scheduler thread owns the model; everything 
 (prefill, decode, weight copies) runs on that thread, between decode steps.
 
 Batching (continuous): pending requests are prefilled together as one left-padded batch with a
-fresh KV cache (`past_key_values`), their first token is sampled, and the group is merged into
+fresh KV cache (`past_key_values`; identical prompts of the group once, their rows copied: `prefix.py`,
+SGLang's prefix reuse for GRPO groups; one batched /generate is queued at once, `submit_many`, so the
+groups do not depend on timing), their first token is sampled, and the group is merged into
 the running batch (KV caches left-padded to a common length and concatenated on the batch
 dimension). Every step then decodes one token for every running request with explicit
 `position_ids` and a 2-D padding mask, so padding never changes a result beyond float noise.
@@ -43,14 +45,13 @@ import logging
 import os
 import threading
 import time
-import uuid
 from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable, Iterable
 
 import torch
 
-from relax.backends.embedded import shared_weights
+from relax.backends.embedded import prefix, shared_weights
 from relax.backends.embedded.weight_names import expert_aliases
 from relax.backends.embedded.routing import RouteCapture
 from relax.backends.embedded.sampling import SamplingParams, sample_batch, seeded_position_seed
@@ -60,7 +61,7 @@ logger = logging.getLogger(__name__)
 
 from relax.backends.embedded.requests import (  # noqa: F401  (re-exported)
     EngineError, GenRequest, _cache_layers_mergeable, _Command, _left_pad, _RunningBatch, check_finish,
-    prompt_logprobs, resolve_dtype, response_payload,
+    checked_prompt, prompt_logprobs, resolve_dtype, response_payload,
 )
 
 
@@ -83,6 +84,7 @@ class EmbeddedEngine:
         offload_weights_on_release: bool = False,
         attn_implementation: str | None = None,
         served_model_name: str | None = None,
+        share_prefill: bool = True,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -95,6 +97,7 @@ class EmbeddedEngine:
         self.max_prefill_tokens = int(max_prefill_tokens)
         self.update_waits_for_requests = bool(update_waits_for_requests)
         self.offload_weights_on_release = bool(offload_weights_on_release)
+        self.share_prefill = bool(share_prefill)  # prefill identical prompts once (prefix.py)
         self.weight_version = str(weight_version)
         self.random_seed = int(random_seed) if random_seed is not None else int.from_bytes(os.urandom(4), "little")
 
@@ -108,6 +111,7 @@ class EmbeddedEngine:
         cfg_ctx = getattr(self.model.config, "max_position_embeddings", None) or 4096
         self.context_length = int(context_length or cfg_ctx)
         self.eos_ids = self._collect_eos_ids()
+        self._eos_stop = frozenset(self.eos_ids)  # stop ids of most requests, one shared set
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else (min(self.eos_ids) if self.eos_ids else 0))
         self.generator = torch.Generator(device="cpu").manual_seed(self.random_seed)
@@ -139,6 +143,7 @@ class EmbeddedEngine:
             "num_requests_finished": 0,
             "num_generated_tokens": 0,
             "num_prompt_tokens": 0,
+            "num_cached_tokens": 0,  # prompt tokens of copies that shared a prefill row (prefix.py)
             "num_decode_steps": 0,
             "num_weight_updates": 0,
             "last_weight_update_s": 0.0,
@@ -178,7 +183,7 @@ class EmbeddedEngine:
         return ids
 
     def new_rid(self) -> str:
-        return f"{uuid.uuid4().hex[:16]}-{next(self._rid_counter)}"
+        return f"{os.urandom(8).hex()}-{next(self._rid_counter)}"  # uuid4's shape, a fraction of its cost
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
@@ -206,37 +211,26 @@ class EmbeddedEngine:
         logprob_start_len: int = -1,
         return_routed_experts: bool = False,
     ) -> GenRequest:
-        if not input_ids:
-            raise EngineError("input_ids is empty")
         if return_routed_experts and not self._routes.available:
             raise EngineError("return_routed_experts: this model has no MoE routers")
-        bad = [t for t in input_ids if not 0 <= int(t) < self.vocab_size]
-        if bad:
-            raise EngineError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-        if len(input_ids) >= self.context_length:
-            raise EngineError(
-                f"the input ({len(input_ids)} tokens) is longer than the model's context length "
-                f"({self.context_length} tokens)"
-            )
-        params.max_new_tokens = min(params.max_new_tokens, self.context_length - len(input_ids))
+        ids = checked_prompt(input_ids, self.vocab_size, self.context_length)
+        params.max_new_tokens = min(params.max_new_tokens, self.context_length - len(ids))
         params.min_new_tokens = min(params.min_new_tokens, params.max_new_tokens)
-        req = GenRequest(
-            rid=rid or self.new_rid(),
-            input_ids=[int(t) for t in input_ids],
-            params=params,
-            return_logprob=bool(return_logprob),
-            top_logprobs_num=int(top_logprobs_num or 0),
-            logprob_start_len=int(-1 if logprob_start_len is None else logprob_start_len),
-            return_routed_experts=bool(return_routed_experts),
-        )
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= self.eos_ids
-        req.stop_ids = frozenset(stop_ids)
+        req = GenRequest(rid or self.new_rid(), ids, params, bool(return_logprob), int(top_logprobs_num or 0),
+                         int(-1 if logprob_start_len is None else logprob_start_len), bool(return_routed_experts))
+        if params.ignore_eos:
+            req.stop_ids = frozenset(params.stop_token_ids)
+        else:
+            req.stop_ids = self._eos_stop.union(params.stop_token_ids) if params.stop_token_ids else self._eos_stop
         return req
 
     def submit(self, req: GenRequest) -> Future:
         """Queue a request; the future resolves to the response dict (see `_response`)."""
+        return self.submit_many([req])[0]
+
+    def submit_many(self, reqs: list[GenRequest]) -> list[Future]:
+        """Queue requests together (one batched /generate): the scheduler sees all of them or none, so how they
+        are grouped for prefill does not depend on when it woke up. All are refused if one is."""
         with self._lock:
             if self._stop or self._thread_error is not None:
                 raise EngineError("the engine is shutting down or its scheduler died", status=503)
@@ -245,12 +239,16 @@ class EmbeddedEngine:
                     "memory is released (release_memory_occupation); call resume_memory_occupation first",
                     status=503,
                 )
-            if req.rid in self._known_rids:
-                raise EngineError(f"duplicate request id {req.rid!r}")
-            self._known_rids.add(req.rid)
-            self._pending.append(req)
+            rids = [r.rid for r in reqs]
+            dup = next((x for x in rids if x in self._known_rids), None)
+            if dup is None and len(set(rids)) < len(rids):
+                dup = next(x for i, x in enumerate(rids) if x in rids[:i])
+            if dup is not None:
+                raise EngineError(f"duplicate request id {dup!r}")
+            self._known_rids.update(rids)
+            self._pending.extend(reqs)
             self._lock.notify_all()
-        return req.future
+        return [r.future for r in reqs]
 
     def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "Abort request.") -> None:
         with self._lock:
@@ -574,25 +572,30 @@ class EmbeddedEngine:
 
         bsz = len(group)
         maxlen = max(len(r.input_ids) for r in group)
-        ids = torch.full((bsz, maxlen), self.pad_id, dtype=torch.long)
         mask = torch.zeros((bsz, maxlen), dtype=torch.long)
         for i, r in enumerate(group):
-            n = len(r.input_ids)
-            ids[i, maxlen - n:] = torch.tensor(r.input_ids, dtype=torch.long)
-            mask[i, maxlen - n:] = 1
-        pos = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        want_prompt_lp = any(r.return_logprob and r.logprob_start_len >= 0 for r in group)
+            mask[i, maxlen - len(r.input_ids):] = 1
         cache = DynamicCache(config=self.model.config)
+        # Shared-prompt prefill (prefix.py): identical prompts are prefilled once and their rows copied.
+        src = prefix.plan(group) if self.share_prefill and _cache_layers_mergeable(cache) else None
+        reps = prefix.first_rows(src) if src is not None else None
+        rows = group if reps is None else [group[i] for i in reps]
+        ids = torch.full((len(rows), maxlen), self.pad_id, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, maxlen - len(r.input_ids):] = torch.tensor(r.input_ids, dtype=torch.long)
+        row_mask = mask if reps is None else mask[reps]
+        pos = (row_mask.cumsum(dim=1) - 1).clamp(min=0)
+        want_prompt_lp = any(r.return_logprob and r.logprob_start_len >= 0 for r in group)
         with self._routes.recording(any(r.return_routed_experts for r in group)) as routes:
             out = self.model(
                 input_ids=ids.to(self.device),
-                attention_mask=mask.to(self.device),
+                attention_mask=row_mask.to(self.device),
                 position_ids=pos.to(self.device),
                 use_cache=True,
                 logits_to_keep=0 if want_prompt_lp else 1,
                 **{self._cache_kw: cache},
             )
-            routes.take_prefill(group, maxlen)
+            routes.take_prefill(group, maxlen, rows=src)
         logits = out.logits
         cache = self._out_cache(out)
         if self._merge_ok is None:
@@ -602,8 +605,11 @@ class EmbeddedEngine:
         for r in group:
             self.stats["num_prompt_tokens"] += len(r.input_ids)
         if want_prompt_lp:
-            prompt_logprobs(group, logits, maxlen)
+            prompt_logprobs(group, logits, maxlen, rows=src)
         last_logits = logits[:, -1, :]
+        if src is not None:
+            self.stats["num_cached_tokens"] += prefix.mark_cached(group, src)
+            last_logits = prefix.expand(cache, last_logits, src)
         batch = _RunningBatch(
             reqs=list(group),
             cache=cache,

@@ -4,7 +4,8 @@ the embedded engine has, so that the metrics service and the autoscaler read bot
 Exported: `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:num_used_tokens` and
 `sglang:token_usage` (used KV positions over max running requests x context length: the embedded engine keeps
 one KV cache per running request, so this is its share of the most it can hold) as gauges;
-`sglang:prompt_tokens_total`, `sglang:generation_tokens_total`, `sglang:num_requests_total` as counters; and
+`sglang:prompt_tokens_total`, `sglang:cached_tokens_total` (prompt tokens of requests that shared another's
+prefill row, `prefix.py`), `sglang:generation_tokens_total`, `sglang:num_requests_total` as counters; and
 `sglang:gen_throughput`, generated tokens per second since the previous scrape. SGLang's latency histograms
 (time to first token, queue time) are not measured by the embedded engine and not exported.
 """
@@ -44,7 +45,10 @@ class EngineMetrics:
              used / capacity),
             ("sglang:gen_throughput", "gauge", "Generated tokens per second since the previous scrape.",
              self._throughput(generated)),
-            ("sglang:prompt_tokens_total", "counter", "Prompt tokens prefilled.", stats.get("num_prompt_tokens", 0)),
+            ("sglang:prompt_tokens_total", "counter", "Prompt tokens of requests (cached ones included).",
+             stats.get("num_prompt_tokens", 0)),
+            ("sglang:cached_tokens_total", "counter", "Prompt tokens reused from another request's prefill.",
+             stats.get("num_cached_tokens", 0)),
             ("sglang:generation_tokens_total", "counter", "Tokens generated.", generated),
             ("sglang:num_requests_total", "counter", "Requests finished.", stats.get("num_requests_finished", 0)),
         ]

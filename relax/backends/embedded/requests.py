@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -41,7 +42,7 @@ class EngineError(Exception):
         self.status = status
 
 
-@dataclass
+@dataclass(eq=False)  # identity: requests are compared and looked up as the objects they are
 class GenRequest:
     rid: str
     input_ids: list[int]
@@ -63,6 +64,7 @@ class GenRequest:
     future: Future = field(default_factory=Future)
     stop_ids: frozenset = frozenset()
     routed_chunks: list = field(default_factory=list)  # [t, layers, k] int32 per forward pass that ran it
+    cached_tokens: int = 0  # prompt tokens reused from another request's prefill row (prefix.py)
 
     @property
     def max_new(self) -> int:
@@ -91,6 +93,21 @@ class _RunningBatch:
         return len(self.reqs)
 
 
+def checked_prompt(input_ids: list[int], vocab_size: int, context_length: int) -> list[int]:
+    """`input_ids` as a new list of ints, or EngineError if empty, out of the vocabulary or too long."""
+    if not input_ids:
+        raise EngineError("input_ids is empty")
+    ids = [int(t) for t in input_ids]
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        raise EngineError(f"token ids out of range [0, {vocab_size}): {bad[:5]}")
+    if len(ids) >= context_length:
+        raise EngineError(
+            f"the input ({len(ids)} tokens) is longer than the model's context length ({context_length} tokens)"
+        )
+    return ids
+
+
 def _cache_layers_mergeable(cache) -> bool:
     from transformers.cache_utils import DynamicLayer
 
@@ -106,6 +123,57 @@ def _left_pad(t: torch.Tensor, dim: int, amount: int) -> torch.Tensor:
     return torch.cat([torch.zeros(shape, dtype=t.dtype, device=t.device), t], dim=dim)
 
 
+_DECODERS: "weakref.WeakKeyDictionary[Any, Callable[[list[int], bool], str]]" = weakref.WeakKeyDictionary()
+
+
+def _fast_backend(tokenizer: Any):
+    """The `tokenizers.Tokenizer` whose `decode` gives exactly `tokenizer.decode`'s text, or None.
+
+    transformers' fast tokenizers decode a list of ids as `self._tokenizer.decode(ids, skip_special_tokens)`
+    plus an optional clean-up of spaces; around that, `decode` converts the ids with `to_py_obj`, a generator
+    over the list (11% of the embedded server's CPU per step of the embedded default when every reply went
+    through it). Only when the tokenizer uses those stock methods and no clean-up is the backend called directly."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not getattr(tokenizer, "is_fast", False):
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        try:
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend as Fast  # transformers 5
+        except ImportError:  # pragma: no cover - transformers 4
+            from transformers import PreTrainedTokenizerFast as Fast
+    except ImportError:  # pragma: no cover
+        return None
+    cls = type(tokenizer)
+    if not isinstance(tokenizer, Fast) or cls._decode is not Fast._decode:
+        return None
+    if cls.decode is not PreTrainedTokenizerBase.decode:
+        return None
+    return backend
+
+
+def text_decoder(tokenizer: Any) -> Callable[[list[int], bool], str]:
+    """`decode(ids, skip_special_tokens)` with `tokenizer.decode`'s text (through the fast backend when it can)."""
+    try:
+        return _DECODERS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    backend = _fast_backend(tokenizer)
+    if backend is None:
+        return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
+
+    def decode(ids: list[int], skip: bool) -> str:  # holds the backend only: the tokenizer stays collectable
+        return backend.decode(ids, skip_special_tokens=skip)
+
+    try:
+        _DECODERS[tokenizer] = decode
+    except TypeError:  # pragma: no cover - not weak-referenceable
+        pass
+    return decode
+
+
 def response_payload(r: "GenRequest", tokenizer: Any, weight_version: str) -> dict:
     """SGLang's /generate reply for a finished (or aborted) request."""
     p = r.params
@@ -113,7 +181,7 @@ def response_payload(r: "GenRequest", tokenizer: Any, weight_version: str) -> di
     reason = r.finish_reason or {}
     if reason.get("type") == "stop" and isinstance(reason.get("matched"), int) and not p.no_stop_trim:
         ids_for_text = ids_for_text[:-1]
-    text = tokenizer.decode(ids_for_text, skip_special_tokens=p.skip_special_tokens)
+    text = text_decoder(tokenizer)(ids_for_text, p.skip_special_tokens)
     if r.matched_stop_str is not None and not p.no_stop_trim:
         cut = text.find(r.matched_stop_str)
         if cut >= 0:
@@ -124,7 +192,7 @@ def response_payload(r: "GenRequest", tokenizer: Any, weight_version: str) -> di
         "finish_reason": reason,
         "prompt_tokens": len(r.input_ids),
         "completion_tokens": len(r.output_ids),
-        "cached_tokens": 0,
+        "cached_tokens": r.cached_tokens,
         "weight_version": weight_version,
         "e2e_latency": now - r.created,
     }
@@ -146,14 +214,15 @@ def response_payload(r: "GenRequest", tokenizer: Any, weight_version: str) -> di
     return {"text": text, "output_ids": list(r.output_ids), "meta_info": meta}
 
 
-def prompt_logprobs(group: list[GenRequest], logits: torch.Tensor, maxlen: int) -> None:
-    """Fill `input_logprobs` of the requests of a left-padded prefill that asked for prompt log-probs."""
+def prompt_logprobs(group: list[GenRequest], logits: torch.Tensor, maxlen: int, rows: list[int] | None = None) -> None:
+    """Fill `input_logprobs` of the requests of a left-padded prefill that asked for prompt log-probs.
+    `rows[i]`: the logits row request i reads when identical prompts shared one (`prefix.py`)."""
     for i, r in enumerate(group):
         if not (r.return_logprob and r.logprob_start_len >= 0):
             continue
         n = len(r.input_ids)
         t = 1.0 if r.params.temperature == 0.0 else r.params.temperature
-        row = logits[i, maxlen - n:, :].float() / t  # positions of this prompt
+        row = logits[i if rows is None else rows[i], maxlen - n:, :].float() / t  # positions of this prompt
         lp = torch.log_softmax(row[:-1], dim=-1)
         tgt = torch.tensor(r.input_ids[1:], dtype=torch.long).to(lp.device)
         vals = lp.gather(1, tgt[:, None])[:, 0].tolist()
@@ -169,7 +238,7 @@ def check_finish(r: GenRequest, tok: int, tokenizer: Any) -> dict | None:
     if r.params.stop and n >= r.params.min_new_tokens:
         longest = max(len(s) for s in r.params.stop)
         tail_ids = r.output_ids[-(4 * longest + 8):]
-        tail = tokenizer.decode(tail_ids, skip_special_tokens=r.params.skip_special_tokens)
+        tail = text_decoder(tokenizer)(tail_ids, r.params.skip_special_tokens)
         for s in r.params.stop:
             if s in tail:
                 r.matched_stop_str = s

@@ -89,14 +89,15 @@ class RouteCapture:
         stacked = torch.stack([s.view(batch, length, -1) for s in self._seen])  # [L, B, T, k]
         return stacked.permute(1, 2, 0, 3)
 
-    def take_prefill(self, group: Sequence[Any], maxlen: int) -> None:
-        """After a prefill of `group` left-padded to `maxlen`: each asking request gets its prompt's rows."""
+    def take_prefill(self, group: Sequence[Any], maxlen: int, rows: Sequence[int] | None = None) -> None:
+        """After a prefill of `group` left-padded to `maxlen`: each asking request gets its prompt's rows.
+        `rows[i]`: the prefill row request i reads when identical prompts shared one (`prefix.py`)."""
         if not self._seen or self._seen[0] is None:
             return
-        grid = self._grid(len(group), maxlen)
+        grid = self._grid(len(group) if rows is None else max(rows) + 1, maxlen)
         for i, r in enumerate(group):
             if r.return_routed_experts:
-                r.routed_chunks.append(grid[i, maxlen - len(r.input_ids):].clone())
+                r.routed_chunks.append(grid[i if rows is None else rows[i], maxlen - len(r.input_ids):].clone())
 
     def take_decode(self, reqs: Sequence[Any]) -> None:
         """After one decode step of `reqs` (one token each): each asking request gets its token's row."""

@@ -67,6 +67,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    def copy(self) -> "SamplingParams":
+        """A shallow copy (the stop lists are shared and never changed), cheaper than parsing the dict again."""
+        new = object.__new__(SamplingParams)
+        new.__dict__.update(self.__dict__)
+        return new
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> "SamplingParams":
         d = dict(d or {})
@@ -154,8 +160,9 @@ def _seeded_picks(probs: torch.Tensor, seeds: list[int]) -> torch.Tensor:
         return torch.stack([torch.multinomial(p, 1, generator=torch.Generator(device="cpu").manual_seed(int(s)))[0]
                             for p, s in zip(probs, seeds)])
     q = torch.empty_like(probs)
+    gen = torch.Generator(device="cpu")  # re-seeded per row: the draws of a fresh generator, without building one
     for row, seed in zip(q, seeds):
-        row.exponential_(1.0, generator=torch.Generator(device="cpu").manual_seed(int(seed)))
+        row.exponential_(1.0, generator=gen.manual_seed(int(seed)))
     return (probs / q).argmax(-1)
 
 

@@ -25,7 +25,8 @@ Endpoints (request / response schemas follow SGLang's `http_server.py` and `io_s
   generating while paused), GET /get_model_info | /model_info, GET /get_server_info |
   /server_info, GET /get_load, GET /get_weight_version, GET /v1/models, GET /metrics (Prometheus text with
   SGLang's metric names, `metrics_text.py`; needs the key like control endpoints).
-- POST /flush_cache (there is no prefix cache: always succeeds), POST /abort_request
+- POST /flush_cache (identical prompts share a prefill within one prefill group only, `prefix.py`, so there is
+  nothing to flush: always succeeds), POST /abort_request
   `{"rid"}` | `{"abort_all": true}`, POST /pause_generation `{"mode": "abort"|"in_place"|"retract"}`
   (default abort), POST /continue_generation, POST /release_memory_occupation `{"tags"}`,
   POST /resume_memory_occupation `{"tags"}` (CPU semantics in `engine.py`).
@@ -156,11 +157,9 @@ def build_requests(engine: EmbeddedEngine, body: dict) -> tuple[list, bool]:
         if n > 1:
             is_batch = True
         for j in range(n):
-            params = SamplingParams.from_dict(sps[i]) if j else base
-            if seeds is not None:
-                params.sampling_seed = seeds[i]
+            params = base.copy() if j else base  # parsed and validated once per prompt
             if params.sampling_seed is not None and j:
-                params.sampling_seed += j
+                params.sampling_seed = base.sampling_seed + j
             this_rid = rid_i if (n == 1 or rid_i is None) else f"{rid_i}_{j}"
             reqs.append(
                 engine.make_request(
@@ -227,14 +226,7 @@ def create_app(engine: EmbeddedEngine, api_key: str | None = None):
     async def generate(request: Request):
         body = await _json(request)
         reqs, is_batch = build_requests(engine, body)
-        futures = []
-        try:
-            for r in reqs:
-                futures.append(engine.submit(r))
-        except EngineError:
-            for r in reqs[: len(futures)]:
-                engine.abort(rid=r.rid)
-            raise
+        futures = engine.submit_many(reqs)  # all at once: the body's prefill groups do not depend on timing
         results = await asyncio.gather(*[asyncio.wrap_future(f) for f in futures])
         return JSONResponse(results if is_batch else results[0])
 
@@ -293,6 +285,7 @@ def create_app(engine: EmbeddedEngine, api_key: str | None = None):
             "random_seed": engine.random_seed,
             "weight_version": engine.weight_version,
             "update_waits_for_requests": engine.update_waits_for_requests,
+            "disable_radix_cache": not engine.share_prefill,
             "memory_events": list(engine.__dict__.get("memory_events", ())),  # release/resume/update order
             "weight_update_formats": [None, "flattened_bucket", shm.LOAD_FORMAT, shm.LOAD_FORMAT_BIND],
             **shared_weights.server_info(engine),  # what a relax_shm_bind sender must not cast
@@ -352,7 +345,8 @@ def create_app(engine: EmbeddedEngine, api_key: str | None = None):
     # ------------------------------------------------------------------ control
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
-        return PlainTextResponse("Cache flushed.\n(The embedded engine keeps no prefix cache.)\n")
+        # Shared-prompt prefill (prefix.py) reuses rows within one prefill group only: nothing to drop.
+        return PlainTextResponse("Cache flushed.\n(The embedded engine keeps no prefix cache across prefills.)\n")
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
@@ -623,9 +617,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         "apply at the next decode-step boundary",
     )
     p.add_argument("--offload-weights-on-release", action="store_true")
+    p.add_argument("--disable-radix-cache", action="store_true",
+                   help="prefill every request on its own row (SGLang's flag; by default identical prompts admitted "
+                        "together are prefilled once, see prefix.py)")
     p.add_argument("--exit-with-parent", action="store_true", help="exit when the parent process dies")
     p.add_argument("--log-level", default="warning")
     return p.parse_args(argv)
+
+
+def freeze_startup_objects() -> None:
+    """Move everything allocated so far (torch, transformers, the model, the app: ~400k objects) out of the
+    garbage collector's view: a full collection scanned them all, a pause of ~0.2 s on 2 cores every few
+    generation steps of the embedded default (its requests and replies are many short-lived objects), for
+    objects that live as long as the process. SGLang's server does the same (`gc.freeze`)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
 
 
 def main(argv=None) -> None:
@@ -652,8 +660,10 @@ def main(argv=None) -> None:
         offload_weights_on_release=args.offload_weights_on_release,
         attn_implementation=args.attn_implementation,
         served_model_name=args.served_model_name,
+        share_prefill=not args.disable_radix_cache,
     ).start()
     app = create_app(engine, api_key=args.api_key or engine_api_key())
+    freeze_startup_objects()
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                             access_log=False, timeout_graceful_shutdown=5,
                             # Keep idle connections open longer than the router's connection pool does: with
