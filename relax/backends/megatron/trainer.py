@@ -744,7 +744,8 @@ class MegatronTrainer:
         """`step_shares` of this rank's micro-batches (by id) in the step of all DP ranks."""
         masks = [mb.mask for mb in micro_batches]
         totals = torch.tensor(_mask_counts(masks), dtype=torch.float64, device=self._device)
-        dist.all_reduce(totals, group=dp_group)
+        if dist.get_world_size(dp_group) > 1:  # a one-rank all-reduce is a gloo round trip that changes nothing
+            dist.all_reduce(totals, group=dp_group)
         return {id(mb): share for mb, share in zip(micro_batches, step_shares(masks, totals.cpu().tolist()))}
 
     def _reduce_metrics(self, outputs: list[dict], dp_group) -> dict[str, float]:
@@ -754,7 +755,8 @@ class MegatronTrainer:
         if self.layout.is_last_stage:
             keys = sorted(outputs[0])
             sums = torch.stack([sum(out[k].double() for out in outputs) for k in keys]).to(self._device)
-            dist.all_reduce(sums, group=dp_group)
+            if dist.get_world_size(dp_group) > 1:
+                dist.all_reduce(sums, group=dp_group)
             result = {k: float(v) for k, v in zip(keys, sums.cpu())}
         return self._broadcast_from_last_stage(result)
 
