@@ -13,6 +13,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from relax.backends.megatron.arch import arch_for_run
+from relax.backends.megatron.cpu_compat import native_device_ops
 from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
 from relax.config.megatron_options import options_from_config
 from relax.config.support_gpu import GPU_ONLY_REASONS
@@ -223,8 +224,9 @@ class TrainerWorker(MegatronRank):
         kept = self._rows.setdefault(step, {})
         for key in [k for k in self._rows if k != step]:
             del self._rows[key]
-        for name, values in rows.items():
-            kept[name] = [v.detach().float() for v in values]
+        for name, values in rows.items():  # the passes' rows are float32 and detached already: kept as they are
+            kept[name] = [v if v.dtype == torch.float32 and not v.requires_grad else v.detach().float()
+                          for v in values]
 
     def _holds_every_field(self) -> bool:
         """Whether every stage field of a step that this rank reads is one it computed itself: the only trainer rank
@@ -277,8 +279,9 @@ class TrainerWorker(MegatronRank):
             self._prefetched = {step: samples}
         layout = self.reference.layout
         mine = samples[layout.dp_rank::layout.dp]
-        inputs = [{"tokens": torch.tensor(s.prompt_tokens + s.response_tokens, dtype=torch.long),
-                   "response_length": len(s.response_tokens)} for s in mine]
+        with native_device_ops():  # plain host tensors: no CUDA-to-CPU rewriting needed (a Python hop per op)
+            inputs = [{"tokens": torch.tensor(s.prompt_tokens + s.response_tokens, dtype=torch.long),
+                       "response_length": len(s.response_tokens)} for s in mine]
         logprobs = self.reference.compute_logprobs(inputs, self.config.rollout_temperature) if inputs else []
         if not self._holds_every_field():
             self.data.put_fields(step, [s.index for s in mine], ref_logprobs=logprobs)
