@@ -288,6 +288,12 @@ def test_sampling_flags_take_effect(assets, engine):
     # the context limit reaches the engine at launch
     cfg = make_config(assets, "--rollout-max-context-len", "64")
     assert engine_server_args(cfg, "embedded")["context_length"] == 64
+    # SGLang's prefix-cache switch is the embedded engine's shared-prompt prefill too: accepted and passed on
+    assert "disable_radix_cache" not in engine_server_args(cfg, "embedded")
+    cfg = make_config(assets, "--sglang-disable-radix-cache")
+    assert engine_server_args(cfg, "embedded")["disable_radix_cache"] is True
+    from relax.config.support import unsupported_flags
+    assert unsupported_flags(cfg) == []
 
 
 # ---------------------------------------------------------------- multi-turn tool use

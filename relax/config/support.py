@@ -94,6 +94,10 @@ SGLANG_RESOURCE_FLAGS: frozenset[str] = frozenset({
     "sglang_enable_dp_attention", "sglang_moe_a2a_backend", "sglang_enable_memory_saver", "sglang_log_level",
 })
 
+# SGLang server flags the embedded engine honours itself (relax.roles.engine.engine_server_args passes them on).
+# --sglang-disable-radix-cache: every copy of a prompt prefilled on its own (relax.backends.embedded.prefix).
+EMBEDDED_SGLANG_FLAGS: frozenset[str] = frozenset({"sglang_disable_radix_cache"})
+
 
 def _no_effect_dests(config: Config) -> dict[str, str]:
     """dest -> --flag name of each flag set to a non-default value that has no effect in this run: SGLang resource
@@ -155,8 +159,8 @@ def unsupported_flags(config: Config, implemented: frozenset[str] = IMPLEMENTED)
         if is_sglang_server_flag(dest):
             if sglang_engines is None:
                 sglang_engines = uses_sglang_engines(config)
-            if sglang_engines or dest in SGLANG_RESOURCE_FLAGS:
-                continue  # forwarded to every SGLang server (relax.roles.rollout.engine_server_args), or no effect
+            if sglang_engines or dest in SGLANG_RESOURCE_FLAGS or dest in EMBEDDED_SGLANG_FLAGS:
+                continue  # forwarded to every SGLang server (relax.roles.engine.engine_server_args), or no effect
             out.append(f"{name} (an SGLang server flag: honoured only with --rollout-backend sglang)")
             continue
         out.append(f"{name} {config[dest]}" if dest in SUPPORTED_VALUES else name)

@@ -38,6 +38,8 @@ def engine_server_args(config: Any, backend: str) -> dict[str, Any]:
             args["context_length"] = config.rollout_max_context_len
         if config.offload_rollout:  # released weights really free their storage
             args["offload_weights_on_release"] = True
+        if config.sglang_disable_radix_cache:  # relax.config.support.EMBEDDED_SGLANG_FLAGS
+            args["disable_radix_cache"] = True
         return args
     args = {k[len("sglang_"):]: v for k, v in config.items()
             if k.startswith("sglang_") and not k.startswith("sglang_router_") and v is not None}
