@@ -121,7 +121,7 @@ def add_sglang_flags(parser: argparse.ArgumentParser, use_sglang_parser: bool | 
         flag = PREFIX + name.replace("_", "-")
         if typ is bool:
             group.add_argument(flag, dest="sglang_" + name, type=str2bool, nargs="?", const=True,
-                               default=None, help="SGLang server flag (boolean).")
+                               default=None, help="SGLang server flag (boolean)." + EMBEDDED_NOTE.get(name, ""))
         else:
             many = typ == "int_list"
             group.add_argument(flag, dest="sglang_" + name, type=int if many else typ, nargs="+" if many else None,
@@ -129,10 +129,17 @@ def add_sglang_flags(parser: argparse.ArgumentParser, use_sglang_parser: bool | 
     return "builtin"
 
 
+# What the SGLang server flags the embedded engine honours (relax.config.support.EMBEDDED_SGLANG_FLAGS) do there.
+EMBEDDED_NOTE: dict[str, str] = {
+    "disable_radix_cache": " With the embedded engine too: every copy of a prompt (the n samples of a group) is "
+                           "then prefilled on its own instead of once per prompt.",
+}
+
+
 def _copy_action(group, action: argparse.Action) -> None:
     opts = [PREFIX + o[2:] for o in action.option_strings if o.startswith("--")]
     kwargs: dict[str, Any] = {"dest": "sglang_" + action.dest, "default": action.default,
-                              "help": "SGLang server flag."}
+                              "help": "SGLang server flag." + EMBEDDED_NOTE.get(action.dest, "")}
     if isinstance(action, argparse.BooleanOptionalAction):
         kwargs["action"] = argparse.BooleanOptionalAction
         opts = [o for o in opts if not o.startswith(PREFIX + "no-")]
