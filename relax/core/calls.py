@@ -73,33 +73,50 @@ def wait_all(refs: Sequence[Any], calls: Sequence[Call], *, deadline_s: float | 
     return results
 
 
+class BoundedCall:
+    """`fn()` running in a daemon thread since `start_bounded`; `wait()` waits for it in short slices (signals act
+    at once) and returns its value. An error it raised is re-raised as a `RoleFailure` naming `call`, and so is a
+    call past `deadline_s` from its start (the thread is left behind: the run is stopping, and the shutdown kills
+    what it was waiting for)."""
+
+    def __init__(self, fn: Callable[[], Any], call: Call, deadline_s: float | None, flag: str):
+        self.call, self.deadline_s, self.flag = call, deadline_s, flag
+        self._box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                self._box["value"] = fn()
+            except BaseException as exc:  # handed to the waiting thread
+                self._box["error"] = exc
+
+        self._thread = threading.Thread(target=target, name=f"relax-{call.action}", daemon=True)
+        self._start = time.monotonic()
+        self._thread.start()
+
+    def wait(self) -> Any:
+        thread, call = self._thread, self.call
+        while thread.is_alive():
+            thread.join(POLL_S)
+            if thread.is_alive() and self.deadline_s is not None and time.monotonic() - self._start > self.deadline_s:
+                raise RoleFailure(call, timeout_s=self.deadline_s, flag=self.flag)
+            if thread.is_alive():
+                _check_watch([call])
+        if "error" in self._box:
+            error = self._box["error"]
+            if isinstance(error, RoleFailure):
+                raise error
+            raise RoleFailure(call, error) from error
+        return self._box.get("value")
+
+
+def start_bounded(fn: Callable[[], Any], call: Call, *, deadline_s: float | None, flag: str) -> BoundedCall:
+    """`fn()` started in a daemon thread, to be waited for with `.wait()` (see `BoundedCall`)."""
+    return BoundedCall(fn, call, deadline_s, flag)
+
+
 def run_bounded(fn: Callable[[], Any], call: Call, *, deadline_s: float | None, flag: str) -> Any:
-    """`fn()` run in a daemon thread and waited for in short slices (signals act at once). An error it
-    raises is re-raised as a `RoleFailure` naming `call`, and so is a call past `deadline_s` (the thread is
-    left behind: the run is stopping, and the shutdown kills what it was waiting for)."""
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # handed to the waiting thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, name=f"relax-{call.action}", daemon=True)
-    start = time.monotonic()
-    thread.start()
-    while thread.is_alive():
-        thread.join(POLL_S)
-        if thread.is_alive() and deadline_s is not None and time.monotonic() - start > deadline_s:
-            raise RoleFailure(call, timeout_s=deadline_s, flag=flag)
-        if thread.is_alive():
-            _check_watch([call])
-    if "error" in box:
-        error = box["error"]
-        if isinstance(error, RoleFailure):
-            raise error
-        raise RoleFailure(call, error) from error
-    return box.get("value")
+    """`fn()` run in a daemon thread and waited for (see `BoundedCall`)."""
+    return BoundedCall(fn, call, deadline_s, flag).wait()
 
 
 def wait_quietly(refs: Sequence[Any], timeout_s: float) -> int:

@@ -26,8 +26,8 @@ from relax.backends.engine_client import EngineClient
 from relax.config.config import Config
 from relax.config.env import threads_per_process, worker_env
 from relax.core.async_loop import AsyncLoop
-from relax.core.calls import (descendants, run_bounded, run_quietly, set_watch, stop_processes, wait_all,
-                               wait_quietly)
+from relax.core.calls import (descendants, run_bounded, run_quietly, set_watch, start_bounded, stop_processes,
+                              wait_all, wait_quietly)
 from relax.core.deadlines import FLAGS, Call, Deadlines, RoleFailure
 from relax.core.checkpointing import resume_from, save_checkpoint
 from relax.core.colocate import ColocateProtocol
@@ -209,7 +209,11 @@ class Controller:
                     with timeline.span(stage.__name__, step=step, cat="train"):
                         metrics.update(stage(step))
             t2 = time.perf_counter()
-            self._data_call("clear the step", step, self.data.clear)
+            # the step's partition is freed while the weights are pushed (the next step writes its own partition);
+            # waited for before the step ends, so a failure still names this step
+            clearing = start_bounded(lambda: self.data.clear(step), Call("data plane (storage units)", "clear the step",
+                                                                         step=step),
+                                     deadline_s=self.deadlines.control_s, flag=FLAGS["control"])
             sync_time = 0.0
             if will_sync:
                 # engines' weights back, KV cache still released
@@ -225,6 +229,7 @@ class Controller:
                 metrics.update({"perf/weight_sync_bytes": float(sync["bytes"]),
                                 "perf/weight_sync_bytes_per_s": sync["bytes_per_s"],
                                 "weights/version": float(step + 1)})
+            clearing.wait()
             t3 = time.perf_counter()
             if c.save and ((c.save_interval and (step + 1) % c.save_interval == 0) or step + 1 == c.num_rollout):
                 with timeline.span("save", step=step, cat="checkpoint"):
