@@ -1,6 +1,7 @@
 """The autoscaler (--autoscaler-config): its YAML checked before Ray, its decisions alone, and a burst of requests
 against real embedded engines in the engine pool that scales out (the new engine at the current weights) and back
-in after the burst, with every request answered."""
+in after the burst, with every request answered; against a fake pool: the scale-out's timeout (late engines
+cancelled or removed), the decision and completion times of a row, and the throughput from counter deltas."""
 
 import threading
 import time
@@ -131,3 +132,190 @@ def test_a_burst_scales_out_and_back_in(ray_session, tiny_model, tmp_path):
         if scaler is not None:
             scaler.stop()
         pool.shutdown()
+
+
+# ---------------------------------------------------------------- scaling against a fake pool
+class FakePool:
+    """The pool's interface with engines that are only URLs: `add` takes `add_s` (one value per call, in order)
+    and ignores a cancel unless `honour_cancel`; `drain` takes `drain_s`."""
+
+    def __init__(self, add_s=(0.0,), honour_cancel=False, drain_s=0.0):
+        self.active, self.removed, self.next = ["http://e0"], [], 1
+        self.add_s, self.honour_cancel, self.drain_s = list(add_s), honour_cancel, drain_s
+        self.lock = threading.Lock()
+        self.seen_scaling = []
+
+    def urls(self):
+        with self.lock:
+            return list(self.active)
+
+    def list(self):
+        return [{"id": int(u.rsplit("e", 1)[1]), "url": u, "state": "active"} for u in self.urls()]
+
+    def add(self, count=1, cancel=None):
+        with self.lock:
+            seconds = self.add_s.pop(0) if len(self.add_s) > 1 else self.add_s[0]
+            url, self.next = f"http://e{self.next}", self.next + 1
+        self.seen_scaling.append(self.scaler.status().get("scaling"))
+        if seconds == "fail":
+            raise RuntimeError("no room for another engine")
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.honour_cancel and cancel is not None and cancel.is_set():
+                raise RuntimeError("cancelled")
+            time.sleep(0.01)
+        with self.lock:
+            self.active.append(url)
+        return [url]
+
+    def remove(self, url):
+        with self.lock:
+            self.active.remove(url)
+            self.removed.append(url)
+
+    def drain(self, url, timeout_s):
+        time.sleep(self.drain_s)
+        self.remove(url)
+        return True
+
+
+def _scaler(pool, tmp_path=None, policy="rollback_all", timeout_s=0.5):
+    scaler = Autoscaler(AutoscalerConfig(max_engines=4), pool, scale_out_timeout_s=timeout_s, partial_policy=policy,
+                        drain_timeout_s=1, log_path=str(tmp_path / "autoscaler.jsonl") if tmp_path else None)
+    pool.scaler = scaler
+    return scaler
+
+
+def _wait(test, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not test() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return test()
+
+
+@pytest.mark.parametrize("policy", ["rollback_all", "keep_partial"])
+def test_scale_out_returns_at_its_timeout_and_a_late_engine_leaves(policy):
+    from relax.rollout.autoscaler import Decision
+
+    pool = FakePool(add_s=(2.0,))
+    scaler = _scaler(pool, policy=policy)
+    t0 = time.monotonic()
+    scaler._scale_out(Decision("scale_out", 1, "test"))
+    assert time.monotonic() - t0 < 1.2  # --scale-out-timeout 0.5 s, not the 2 s the start takes
+    (row,) = scaler.decisions
+    assert row["late"] == 1 and row["delta"] == 0
+    assert row["action"] == ("scale_out_rolled_back" if policy == "rollback_all" else "scale_out")
+    # the engine came up at 2 s all the same (this pool ignores the cancel): it is removed as it does
+    assert _wait(lambda: pool.removed == ["http://e1"])
+    assert pool.urls() == ["http://e0"]
+    assert scaler.decisions[-1]["action"] == "scale_out_late_removed"
+
+
+def test_scale_out_keep_partial_keeps_the_engines_in_time_and_removes_the_late_one():
+    from relax.rollout.autoscaler import Decision
+
+    pool = FakePool(add_s=(0.05, 2.0))
+    scaler = _scaler(pool, policy="keep_partial")
+    scaler._scale_out(Decision("scale_out", 2, "test"))
+    assert _wait(lambda: pool.removed == ["http://e2"])
+    assert pool.urls() == ["http://e0", "http://e1"]
+    (row, late) = scaler.decisions
+    assert (row["action"], row["delta"], row["urls"], row["late"]) == ("scale_out", 1, ["http://e1"], 1)
+    assert (late["action"], late["urls"]) == ("scale_out_late_removed", ["http://e2"])
+
+
+def test_scale_out_rollback_all_gives_up_at_the_first_failure():
+    from relax.rollout.autoscaler import Decision
+
+    pool = FakePool(add_s=(1.0, "fail", 5.0), honour_cancel=True)
+    scaler = _scaler(pool, timeout_s=30)
+    t0 = time.monotonic()
+    scaler._scale_out(Decision("scale_out", 3, "test"))
+    assert time.monotonic() - t0 < 3.0  # not the 5 s start of the third, nor the 30 s timeout
+    (row,) = scaler.decisions
+    assert (row["action"], row["failed"], row["late"]) == ("scale_out_rolled_back", 1, 2)
+    time.sleep(1.5)
+    assert pool.urls() == ["http://e0"]
+
+
+def test_a_decision_row_has_the_time_it_was_decided_and_when_it_was_done(tmp_path):
+    import json
+
+    from relax.rollout.autoscaler import Decision
+
+    pool = FakePool(add_s=(0.4,), drain_s=0.4)
+    scaler = _scaler(pool, tmp_path, timeout_s=10)
+    t0 = time.time()
+    scaler._scale_out(Decision("scale_out", 1, "busy"))
+    scaler._scale_in(Decision("scale_in", 1, "idle"))
+    out, inn = scaler.decisions
+    assert out["time"] - t0 < 0.2 and out["done_time"] - out["time"] >= 0.4 and out["duration_s"] >= 0.4
+    assert pool.seen_scaling[0]["action"] == "scale_out" and scaler.status()["scaling"] is None
+    assert inn["time"] - out["done_time"] < 0.2 and inn["done_time"] - inn["time"] >= 0.4
+    assert (out["action"], out["delta"], out["engines"]) == ("scale_out", 1, 2)
+    assert (inn["action"], inn["delta"], inn["engines"]) == ("scale_in", -1, 1)
+    rows = [json.loads(line) for line in (tmp_path / "autoscaler.jsonl").read_text().splitlines()]
+    assert rows == [out, inn]
+
+
+def test_throughput_is_the_counter_delta_between_the_autoscalers_own_scrapes(monkeypatch):
+    import relax.rollout.autoscaler as autoscaler
+
+    counters = {"http://e0": 1000.0}
+
+    def scrape(url, api_key=None, timeout_s=5.0):
+        # another reader (the metrics service) keeps the gauge at 0; the counter is cumulative
+        return {'sglang:generation_tokens_total{model_name="m"}': counters[url],
+                'sglang:gen_throughput{model_name="m"}': 0.0, "sglang:token_usage": 0.5}
+
+    monkeypatch.setattr(autoscaler, "scrape_engine_metrics", scrape)
+    scaler = _scaler(FakePool())
+    assert scaler.observe().throughput is None  # a first scrape: no rate yet
+    time.sleep(0.2)
+    counters["http://e0"] += 100
+    tput = scaler.observe().throughput
+    assert 100 / 0.5 < tput < 100 / 0.19
+    counters["http://e0"] = 5.0  # the engine restarted: its counter went down
+    assert scaler.observe().throughput is None
+    time.sleep(0.1)
+    counters["http://e0"] += 20
+    assert scaler.observe().throughput > 0
+
+
+def test_throughput_meter():
+    from relax.rollout.autoscaler import ThroughputMeter
+
+    meter = ThroughputMeter()
+    gen = "sglang:generation_tokens_total"
+    assert meter.rates({"a": (0.0, {gen: 10.0}), "b": (0.0, {"sglang:gen_throughput": 7.0})}) == {"a": None, "b": 7.0}
+    assert meter.rates({"a": (2.0, {gen: 30.0}), "c": (2.0, {gen: 5.0})}) == {"a": 10.0, "c": None}
+    assert meter.rates({"c": (3.0, {gen: 9.0})}) == {"c": 4.0}
+    assert meter.rates({"a": (4.0, {gen: 50.0})}) == {"a": None}  # not read last time: starts afresh
+
+
+def test_scale_out_on_the_engine_pool_cancels_a_start_past_the_timeout(ray_session):
+    from relax.rollout.autoscaler import Decision
+    from relax.rollout.engine_pool import EnginePool
+    from test_engine_pool import FakeEngineActor, assert_actor_gone, fake_engine_server
+
+    server, url = fake_engine_server()
+    router, actors = Router(), []
+
+    def make_actor(engine_id, placement):
+        actors.append(FakeEngineActor.remote(url, start_s=20.0))
+        return actors[-1]
+
+    pool = EnginePool(router, make_actor=make_actor, control_timeout_s=5, start_timeout_s=60)
+    scaler = Autoscaler(AutoscalerConfig(max_engines=2), pool, scale_out_timeout_s=1.0,
+                        partial_policy="keep_partial", drain_timeout_s=1)
+    try:
+        t0 = time.monotonic()
+        scaler._scale_out(Decision("scale_out", 1, "test"))
+        assert time.monotonic() - t0 < 3.0
+        assert scaler.decisions[-1]["late"] == 1
+        assert _wait(lambda: pool.list() == [])  # the pool abandoned the start: the actor is killed
+        assert_actor_gone(actors[0], timeout_s=10)
+        assert router.log == [] and [e["kind"] for e in pool.events] == ["engine_add_abandoned"]
+    finally:
+        pool.shutdown()
+        server.shutdown()

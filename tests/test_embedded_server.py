@@ -265,6 +265,34 @@ def test_metrics_are_prometheus_text_with_sglangs_names(server):
     assert requests.get(server.url + "/metrics", timeout=T).status_code == 401  # the run's key, like control calls
 
 
+def test_metrics_reads_do_not_disturb_each_other():
+    """Counters are cumulative and gen_throughput covers a span of time, so a second reader (the metrics service
+    beside the autoscaler) sees what the first saw instead of "nothing since the other's read"."""
+    from types import SimpleNamespace
+
+    from relax.backends.embedded.metrics_text import EngineMetrics
+    from relax.observability.metrics_client import parse_prometheus_text
+
+    engine = SimpleNamespace(stats={"num_generated_tokens": 0}, served_model_name="m", max_running_requests=2,
+                             context_length=8, num_tokens_in_use=lambda: 4, num_running=lambda: 1,
+                             num_waiting=lambda: 0)
+    metrics = EngineMetrics(engine)
+
+    def read():
+        samples, types = parse_prometheus_text(metrics.text())
+        return {s.name: s.value for s in samples}, types
+
+    time.sleep(0.2)
+    engine.stats["num_generated_tokens"] = 100
+    first, types = read()
+    second, _ = read()  # another reader, right after
+    assert first["sglang:generation_tokens_total"] == second["sglang:generation_tokens_total"] == 100
+    assert first["sglang:gen_throughput"] > 0
+    assert second["sglang:gen_throughput"] > 0.5 * first["sglang:gen_throughput"]
+    assert types["sglang:generation_tokens_total"] == "counter" and types["sglang:gen_throughput"] == "gauge"
+    assert types["sglang:token_usage"] == "gauge" and second["sglang:token_usage"] == 0.25
+
+
 def test_group_requests_of_one_turn_go_as_one_batch_with_each_groups_seeds(server, monkeypatch):
     """relax.rollout.generate.generate_group: groups issued together go as one batched request whose prompts keep
     their own seeds (custom_labels.sampling_seeds), so each answer is what the group alone would get."""

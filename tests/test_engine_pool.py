@@ -1,7 +1,9 @@
 """The engine pool (relax.rollout.engine_pool) with real embedded engines on Ray and a router that records what
 it is told: an engine added at run time gets the current weights (the pushed tensors, the pool's version)
 before it joins the router; one that serves another version never joins; a killed or hung (SIGSTOP) engine
-is found by the health monitor, leaves the router and is replaced, re-synced, on the same actor."""
+is found by the health monitor, leaves the router and is replaced, re-synced, on the same actor. A drained
+engine leaves the router once; an addition is refused while the pool closes, and one under way at shutdown or
+cancelled stops the engine it was starting."""
 
 import os
 import signal
@@ -219,3 +221,150 @@ def test_a_replacement_under_way_at_shutdown_leaves_no_server(ray_session, tiny_
     assert servers() == []
     assert [e["kind"] for e in pool.events][-1] == "engine_replace_failed"
     assert_ray_released()
+
+
+# ---------------------------------------------------------------- leaving once; additions refused or abandoned
+class StrictRouter(Router):
+    """Like the real router: removing a URL that is not a worker fails."""
+
+    def remove_worker(self, url):
+        if url not in self.workers():
+            raise RuntimeError(f"{url} is not a worker of the router")
+        super().remove_worker(url)
+
+
+def fake_engine_server():
+    """An HTTP server answering an engine's control reads (weight version, load, health); returns (server, url)."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = {"/get_weight_version": {"weight_version": "default"},
+                    "/get_load": [{"dp_rank": 0, "num_reqs": 0}]}.get(self.path.split("?")[0], {})
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+@ray.remote(num_cpus=0)
+class FakeEngineActor:
+    """An EngineActor whose `start` takes `start_s` and reports `url` (one call at a time, like the real one)."""
+
+    def __init__(self, url, start_s=0.0):
+        self.url, self.start_s = url, start_s
+
+    def start(self):
+        time.sleep(self.start_s)
+        return self.url
+
+    def shutdown(self):
+        pass
+
+    def ping(self):
+        return True
+
+
+def assert_actor_gone(actor, timeout_s=30.0):
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(actor.ping.remote(), timeout=timeout_s)
+
+
+def test_a_drained_engine_leaves_the_router_once(caplog):
+    server, url = fake_engine_server()
+    router = StrictRouter()
+    router.add_worker = lambda u: router.log.append(("add", u, "default"))
+    try:
+        pool = EnginePool(router, control_timeout_s=5)
+        e = pool._new_record()
+        e.url = url
+        pool._register(e)
+        with caplog.at_level("WARNING", logger="relax.rollout.engine_pool"):
+            assert pool.drain(url, timeout_s=5)
+        assert [op for op in router.log if op[0] == "remove"] == [("remove", url, None)]
+        assert "is not a worker" not in caplog.text
+        assert pool.list() == []
+    finally:
+        server.shutdown()
+
+
+def test_add_is_refused_once_the_pool_is_closing():
+    made = []
+    pool = EnginePool(Router(), make_actor=lambda i, p: made.append(i))
+    pool.closing = True
+    with pytest.raises(RuntimeError, match="shutting down"):
+        pool.add(1)
+    assert made == [] and pool.list() == [] and pool.router.log == []
+
+
+def test_an_add_under_way_at_shutdown_leaves_no_engine(ray_session):
+    import threading
+
+    server, url = fake_engine_server()
+    router, actors, shut = Router(), [], threading.Event()
+
+    def make_actor(engine_id, placement):  # the actor is made while the pool shuts down
+        shut.wait(10)
+        actors.append(FakeEngineActor.remote(url))
+        return actors[-1]
+
+    pool = EnginePool(router, make_actor=make_actor, control_timeout_s=5, start_timeout_s=30)
+    errors = []
+    adding = threading.Thread(target=lambda: errors.append(_raised(pool.add, 1)))
+    try:
+        adding.start()
+        time.sleep(0.3)
+        pool.shutdown()
+        shut.set()
+        adding.join(30)
+        assert not adding.is_alive()
+        assert errors and "shutting down" in str(errors[0])
+        assert router.log == [] and pool.list() == []  # it never joined the router, nor stayed in the pool
+        assert_actor_gone(actors[0])
+    finally:
+        shut.set()
+        server.shutdown()
+
+
+def test_a_cancelled_add_stops_the_engine_it_was_starting(ray_session):
+    import threading
+
+    server, url = fake_engine_server()
+    router, actors = Router(), []
+
+    def make_actor(engine_id, placement):
+        actors.append(FakeEngineActor.remote(url, start_s=20.0))
+        return actors[-1]
+
+    pool = EnginePool(router, make_actor=make_actor, control_timeout_s=5, start_timeout_s=60)
+    cancel = threading.Event()
+    threading.Timer(1.0, cancel.set).start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="cancelled"):
+            pool.add(1, cancel=cancel)
+        assert time.monotonic() - t0 < 1.0 + 5.0  # at the cancel, not when the start would have ended
+        assert router.log == [] and pool.list() == []
+        assert [e["kind"] for e in pool.events] == ["engine_add_abandoned"]
+        assert_actor_gone(actors[0], timeout_s=10)  # killed while starting: its shutdown would wait behind start
+    finally:
+        server.shutdown()
+
+
+def _raised(fn, *args):
+    try:
+        fn(*args)
+    except Exception as exc:
+        return exc
+    return None

@@ -12,12 +12,23 @@ Prometheus names; the embedded engine exports the same, relax.backends.embedded.
   the remaining engines would carry at most `projected_usage_max`, by at most `max_delta`, down to `min_engines`,
   not within `scale_in_cooldown_secs` of any scaling.
 
+The throughput is each engine's `sglang:generation_tokens_total` (a cumulative counter) over the time between
+this autoscaler's own two last scrapes of it (`ThroughputMeter`; an engine seen for the first time or whose counter
+went down, i.e. restarted, gives no rate for that sample), so other readers of /metrics (the metrics service) do
+not change it; an engine without that counter is read by its `sglang:gen_throughput` gauge.
+
 Scale-out goes through the engine pool (relax.rollout.engine_pool: start, health, weight sync to the current
-version, router), bounded by --scale-out-timeout; with --scale-out-partial-success-policy rollback_all a partly
-failed scale-out removes the engines it added. Scale-in removes the newest engines first: off the router, in-flight
-requests drained within --scale-in-drain-timeout, then stopped (the pool's stop waits --scale-in-shutdown-timeout before it kills). Every
-decision, with its reason and the metrics behind it, goes to `decisions` (the rollout manager's
-`autoscaler_status`) and to OUTPUT_DIR/autoscaler.jsonl.
+version, router) and returns by --scale-out-timeout: an engine not in by then is cancelled (the pool stops its
+start), and one that still comes up later is removed as it does, so no engine serves unaccounted. With
+--scale-out-partial-success-policy rollback_all a scale-out with any engine failed or late removes all it added
+(and gives up on the others at the first failure); keep_partial keeps those that came up in time. Scale-in removes
+the newest engines first: off the router, in-flight requests drained within --scale-in-drain-timeout, then stopped
+(the pool's stop waits --scale-in-shutdown-timeout before it kills).
+
+Every decision, with its reason and the metrics behind it, goes to `decisions` (the rollout manager's
+`autoscaler_status`) and to OUTPUT_DIR/autoscaler.jsonl, one row each: `time` is when it was decided (wall clock);
+a scaling's row is written once it has finished, with `done_time` and `duration_s` (and `engines`, the active
+engines then). While a scaling is under way, `status()["scaling"]` shows it.
 """
 
 from __future__ import annotations
@@ -28,8 +39,7 @@ import math
 import statistics
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import ALL_COMPLETED, FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -49,22 +59,61 @@ class LoadSample:
     engines: int
     token_usage: float
     queue_per_engine: float
-    throughput: float  # generated tokens/s, all engines
+    throughput: Optional[float]  # generated tokens/s, all engines; None: not every engine had a rate yet
     queue_time_p95: Optional[float] = None
     ttft_p95: Optional[float] = None
 
 
-def sample_from_metrics(now: float, per_engine: list[dict[str, float]]) -> LoadSample:
-    """One `LoadSample` from each engine's scraped metrics ({"name{labels}": value})."""
+def _metric(metrics: dict[str, float], name: str) -> Optional[float]:
+    """The sum of `name`'s series in one engine's scrape; None when the engine does not export it."""
+    values = [v for k, v in metrics.items() if k.split("{")[0] == name]
+    return sum(values) if values else None
+
+
+class ThroughputMeter:
+    """Generated tokens/s per engine from the cumulative `sglang:generation_tokens_total`: the difference between
+    this meter's last two readings of an engine over their time apart. Counters are cumulative, so other readers
+    of /metrics do not affect the rate. No rate from an engine's first reading, nor when its counter went down
+    (the engine restarted); an engine without the counter is read by its `sglang:gen_throughput` gauge."""
+
+    def __init__(self):
+        self._last: dict[str, tuple[float, float]] = {}  # url -> (time of the reading, counter)
+
+    def rates(self, readings: dict[str, tuple[float, dict[str, float]]]) -> dict[str, Optional[float]]:
+        """`readings`: url -> (monotonic time of the scrape, its metrics). Engines not read this time are
+        forgotten (removed or unreachable: a later reading starts afresh)."""
+        rates: dict[str, Optional[float]] = {}
+        last, self._last = self._last, {}
+        for url, (when, metrics) in readings.items():
+            total = _metric(metrics, "sglang:generation_tokens_total")
+            if total is None:
+                rates[url] = _metric(metrics, "sglang:gen_throughput")
+                continue
+            self._last[url] = (when, total)
+            before = last.get(url)
+            if before is None or total < before[1] or when <= before[0]:
+                rates[url] = None
+            else:
+                rates[url] = (total - before[1]) / (when - before[0])
+        return rates
+
+
+def sample_from_metrics(now: float, per_engine: list[dict[str, float]],
+                        rates: Optional[list[Optional[float]]] = None) -> LoadSample:
+    """One `LoadSample` from each engine's scraped metrics ({"name{labels}": value}) and, in the same order, its
+    generated tokens/s (`ThroughputMeter`; default: the engines' `sglang:gen_throughput` gauges)."""
 
     def values(name: str) -> list[float]:
-        return [sum(v for k, v in m.items() if k.split("{")[0] == name) for m in per_engine]
+        return [_metric(m, name) or 0.0 for m in per_engine]
 
     n = max(1, len(per_engine))
     usage = values("sglang:token_usage")
     queue = values("sglang:num_queue_reqs")
+    if rates is None:
+        rates = values("sglang:gen_throughput")
+    throughput = None if any(r is None for r in rates) else float(sum(rates))
     return LoadSample(time=now, engines=len(per_engine), token_usage=sum(usage) / n,
-                      queue_per_engine=sum(queue) / n, throughput=sum(values("sglang:gen_throughput")))
+                      queue_per_engine=sum(queue) / n, throughput=throughput)
 
 
 @dataclass(frozen=True)
@@ -121,7 +170,7 @@ def decide(cfg: AutoscalerConfig, samples: list[LoadSample], engines: int, now: 
     if now - last_scale < cfg.scale_in_cooldown_secs:
         return Decision("hold", 0, "within scale_in_cooldown_secs")
     recent = [s for s in samples if s.time >= now - inn.condition_duration_secs]
-    throughputs = [s.throughput for s in recent]
+    throughputs = [s.throughput for s in recent if s.throughput is not None]
     mean_tp = statistics.fmean(throughputs) if throughputs else 0.0
     variation = statistics.pstdev(throughputs) / mean_tp if mean_tp > 0 and len(throughputs) > 1 else 0.0
     low = (_held(samples, now, inn.condition_duration_secs,
@@ -141,6 +190,22 @@ def decide(cfg: AutoscalerConfig, samples: list[LoadSample], engines: int, now: 
                                        f"{inn.condition_duration_secs:g} s")
 
 
+def _in_thread(fn, *args: Any, **kwargs: Any) -> Future:
+    """`fn` in a daemon thread of its own, as a Future: a start that outlives its deadline is left to finish (and
+    be cleaned up) alone; an executor's threads would be waited for at its close and at interpreter exit."""
+    future: Future = Future()
+
+    def run() -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    threading.Thread(target=run, name="relax-autoscaler-add", daemon=True).start()
+    return future
+
+
 class Autoscaler:
     def __init__(self, cfg: AutoscalerConfig, pool: Any, *, scale_out_timeout_s: float, partial_policy: str,
                  drain_timeout_s: float, log_path: Optional[str] = None):
@@ -152,9 +217,12 @@ class Autoscaler:
         self.log_path = Path(log_path) if log_path else None
         self.samples: list[LoadSample] = []
         self.decisions: list[dict[str, Any]] = []
+        self.scaling: Optional[dict[str, Any]] = None  # the scaling under way: its action, delta, time, reason
+        self.meter = ThroughputMeter()
         self.last_scale_out = self.last_scale = float("-inf")
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._record_lock = threading.Lock()  # rows also come from a late engine's cleanup thread
 
     def start(self) -> "Autoscaler":
         self._thread = threading.Thread(target=self._run, name="relax-autoscaler", daemon=True)
@@ -162,13 +230,13 @@ class Autoscaler:
         return self
 
     def stop(self, wait_s: float = 30.0) -> None:
-        self._stop.set()
+        self._stop.set()  # a scale-out under way stops waiting and cancels its starts
         if self._thread is not None:
             self._thread.join(wait_s)
 
     def status(self) -> dict[str, Any]:
         return {"engines": self.pool.list(), "last_sample": self.samples[-1].__dict__ if self.samples else None,
-                "decisions": list(self.decisions), "config": self.cfg.as_dict()}
+                "decisions": list(self.decisions), "scaling": self.scaling, "config": self.cfg.as_dict()}
 
     def _run(self) -> None:
         next_eval = time.monotonic() + self.cfg.evaluation_interval_secs
@@ -184,14 +252,16 @@ class Autoscaler:
 
     def observe(self) -> LoadSample:
         urls = self.pool.urls()
-        per_engine = []
+        readings: dict[str, tuple[float, dict[str, float]]] = {}
         for url in urls:
             try:
-                per_engine.append(scrape_engine_metrics(url, engine_api_key(), timeout_s=5.0))
+                metrics = scrape_engine_metrics(url, engine_api_key(), timeout_s=5.0)
+                readings[url] = (time.monotonic(), metrics)
             except Exception as exc:
                 logger.debug("autoscaler: no metrics from %s: %s", url, exc)
+        rates = self.meter.rates(readings)
         now = time.monotonic()
-        sample = sample_from_metrics(now, per_engine)
+        sample = sample_from_metrics(now, [m for _, m in readings.values()], [rates[url] for url in readings])
         keep = max(self.cfg.condition_window_secs, self.cfg.scale_out_policy.condition_duration_secs,
                    self.cfg.scale_in_policy.condition_duration_secs) + self.cfg.metrics_interval_secs
         self.samples = [s for s in self.samples if s.time >= now - keep] + [sample]
@@ -210,42 +280,98 @@ class Autoscaler:
         return decision
 
     def _scale_out(self, decision: Decision) -> None:
+        decided = time.time()
+        self.scaling = {"action": "scale_out", "delta": decision.delta, "time": decided, "reason": decision.reason}
+        try:
+            self._carry_out_scale_out(decision, decided)
+        finally:
+            self.scaling = None
+
+    def _carry_out_scale_out(self, decision: Decision, decided: float) -> None:
+        rollback = self.partial_policy == "rollback_all"
+        cancel = threading.Event()  # set: the pool abandons the starts still under way (EnginePool.add)
+        futures = [_in_thread(self.pool.add, 1, cancel=cancel) for _ in range(decision.delta)]
+        deadline = time.monotonic() + self.scale_out_timeout_s
+        done: set[Future] = set()
+        while len(done) < len(futures) and not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            # in short waits, so that stop() is heard; rollback_all gives up on the others at the first failure
+            finished, _ = wait(futures, timeout=min(left, 0.5),
+                               return_when=FIRST_EXCEPTION if rollback else ALL_COMPLETED)
+            done = set(finished)
+            if rollback and any(f.exception() is not None for f in done):
+                break
+        cancel.set()
         added: list[str] = []
-        with ThreadPoolExecutor(max_workers=decision.delta) as pool:
-            futures = [pool.submit(self.pool.add, 1) for _ in range(decision.delta)]
-            deadline = time.monotonic() + self.scale_out_timeout_s
-            failed = 0
-            for fut in futures:
-                try:
-                    added += fut.result(timeout=max(0.0, deadline - time.monotonic()))
-                except (FutureTimeout, Exception) as exc:
-                    failed += 1
-                    logger.warning("autoscaler: an engine of the scale-out did not come up: %s", exc)
-        if failed and self.partial_policy == "rollback_all":
+        errors: list[str] = []
+        for fut in futures:
+            if fut not in done:
+                continue
+            if fut.exception() is not None:
+                errors.append(str(fut.exception()))
+                logger.warning("autoscaler: an engine of the scale-out did not come up: %s", fut.exception())
+            else:
+                added += fut.result()
+        late = [fut for fut in futures if fut not in done]
+        for fut in late:  # an engine whose start ends after this (the cancel came too late for it) leaves again
+            fut.add_done_callback(self._remove_late)
+        if late:
+            logger.warning("autoscaler: %d engine(s) of the scale-out not up within %g s (--scale-out-timeout): "
+                           "cancelled", len(late), self.scale_out_timeout_s)
+        failed = len(errors) + len(late)
+        outcome = {"requested": decision.delta, "failed": len(errors), "late": len(late), "errors": errors}
+        if failed and rollback:
             for url in added:
                 self.pool.remove(url)
-            self._record("scale_out_rolled_back", -len(added), f"{failed} of {decision.delta} engines failed "
-                                                               f"(--scale-out-partial-success-policy rollback_all)")
+            self._record("scale_out_rolled_back", -len(added),
+                         f"{failed} of {decision.delta} engines failed or were not up within --scale-out-timeout "
+                         f"(--scale-out-partial-success-policy rollback_all); for: {decision.reason}",
+                         decided=decided, urls=[], rolled_back=added, **outcome)
             return
-        now = time.monotonic()
-        self.last_scale_out = self.last_scale = now
+        self.last_scale_out = self.last_scale = time.monotonic()
         self.samples = []  # the old window described fewer engines
-        self._record("scale_out", len(added), decision.reason, urls=added)
+        self._record("scale_out", len(added), decision.reason, decided=decided, urls=added, **outcome)
+
+    def _remove_late(self, fut: Future) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return  # the pool abandoned it (the usual case) or it failed: nothing joined
+        urls = fut.result()
+        for url in urls:
+            try:
+                self.pool.remove(url)
+            except Exception as exc:  # already gone (shutdown)
+                logger.warning("autoscaler: removing late engine %s: %s", url, exc)
+        self._record("scale_out_late_removed", 0, f"{len(urls)} engine(s) came up after --scale-out-timeout and "
+                     "were removed", urls=urls)
 
     def _scale_in(self, decision: Decision) -> None:
-        newest = sorted(self.pool.list(), key=lambda e: e["id"], reverse=True)
-        victims = [e["url"] for e in newest if e.get("state") == "active"][:decision.delta]
-        drained = [self.pool.drain(url, self.drain_timeout_s) for url in victims]
-        self.last_scale = time.monotonic()
-        self.samples = []
-        self._record("scale_in", -len(victims), decision.reason, urls=victims, drained=drained)
+        decided = time.time()
+        self.scaling = {"action": "scale_in", "delta": -decision.delta, "time": decided, "reason": decision.reason}
+        try:
+            newest = sorted(self.pool.list(), key=lambda e: e["id"], reverse=True)
+            victims = [e["url"] for e in newest if e.get("state") == "active"][:decision.delta]
+            drained = [self.pool.drain(url, self.drain_timeout_s) for url in victims]
+            self.last_scale = time.monotonic()
+            self.samples = []
+            self._record("scale_in", -len(victims), decision.reason, decided=decided, urls=victims, drained=drained)
+        finally:
+            self.scaling = None
 
-    def _record(self, action: str, delta: int, reason: str, **extra: Any) -> None:
-        row = {"time": time.time(), "action": action, "delta": delta, "engines": len(self.pool.urls()),
-               "reason": reason, **extra}
-        self.decisions.append(row)
+    def _record(self, action: str, delta: int, reason: str, decided: Optional[float] = None,
+                **extra: Any) -> None:
+        """A row of `decisions` and autoscaler.jsonl. `decided`: when a scaling that has now finished was decided
+        (its row's `time`; `done_time` is now)."""
+        now = time.time()
+        timing = {"time": now} if decided is None else {"time": decided, "done_time": now,
+                                                         "duration_s": round(now - decided, 3)}
+        row = {**timing, "action": action, "delta": delta, "engines": len(self.pool.urls()), "reason": reason,
+               **extra}
+        with self._record_lock:
+            self.decisions.append(row)
+            if self.log_path is not None:
+                with self.log_path.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
         if action != "hold":
             logger.warning("autoscaler: %s %+d -> %d engines: %s", action, delta, row["engines"], reason)
-        if self.log_path is not None:
-            with self.log_path.open("a") as f:
-                f.write(json.dumps(row) + "\n")

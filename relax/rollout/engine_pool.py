@@ -45,6 +45,11 @@ logger = logging.getLogger(__name__)
 STARTING, SYNCING, ACTIVE, DRAINING, DEAD, STOPPED = "starting", "syncing", "active", "draining", "dead", "stopped"
 SYNC_ATTEMPTS = 3  # a joining engine's weights are pushed again when the version moved on meanwhile
 REPLACE_ATTEMPTS = 3
+ADD_POLL_S = 0.2  # how often a starting engine's addition looks whether it is still wanted
+
+
+class AddAbandoned(RuntimeError):
+    """An engine's addition given up because the pool is closing or the caller cancelled it."""
 
 
 @dataclass
@@ -136,8 +141,11 @@ class EnginePool:
                             deadline_flag="--engine-control-timeout")
 
     # ------------------------------------------------------------------ joining
-    def _new_record(self, actor: Any = None, placement: Any = None, own_group: Any = None) -> Engine:
-        with self.lock:
+    def _new_record(self, actor: Any = None, placement: Any = None, own_group: Any = None,
+                    refuse_when_closing: bool = False) -> Engine:
+        with self.lock:  # under the lock: `shutdown` either sees this record or this sees `closing`
+            if refuse_when_closing and self.closing:
+                raise AddAbandoned("no engine is added: the run is shutting down")
             engine = Engine(self.next_id, actor=actor, placement=placement, own_group=own_group)
             self.engines[engine.id] = engine
             self.next_id += 1
@@ -169,31 +177,81 @@ class EnginePool:
         e.url = url
         self._register(e)
 
-    def add(self, count: int = 1) -> list[str]:
+    def add(self, count: int = 1, *, cancel: Optional[threading.Event] = None) -> list[str]:
         """`count` engines beyond the current ones, each on room reserved for it alone; each gets the current
-        weights before it joins the router. Returns their URLs."""
+        weights before it joins the router. Returns their URLs.
+
+        Refused once the pool is closing (`shutdown`), like `replace`: a start still under way when the pool
+        begins to close, or when `cancel` is set (the autoscaler's --scale-out-timeout ran out), is abandoned
+        at the next step (start polled every ADD_POLL_S, before the router, after it): its server is stopped,
+        it leaves the router if it had joined, and RuntimeError is raised. An engine that is not wanted any
+        more never stays behind serving without being in the pool."""
         if self.make_actor is None:
             raise RuntimeError("this pool cannot start engines (external engines)")
         added = []
         for _ in range(count):
+            self._check_wanted(None, cancel)
             placement = self.new_placement() if self.new_placement is not None else None
             own_group = placement[0] if placement is not None else None
-            e = self._new_record(placement=placement, own_group=own_group)
             try:
+                e = self._new_record(placement=placement, own_group=own_group, refuse_when_closing=True)
+            except AddAbandoned:
+                self._give_back(own_group)
+                raise
+            try:
+                self._check_wanted(e, cancel)
                 e.actor = self.make_actor(e.id, placement)
-                e.url = ray.get(e.actor.start.remote(), timeout=self.start_timeout_s)
-                self._join(e)
-            except Exception:
-                self._stop(e)
-                self._discard(e)
+                self._check_wanted(e, cancel)
+                e.url = self._await_start(e, cancel)
+                self._check_wanted(e, cancel)
+                self._join(e, check=lambda: self._check_wanted(e, cancel))
+                self._check_wanted(e, cancel)  # closing or a cancel may have come while it joined the router
+            except Exception as exc:
+                self._abandon(e, exc)
                 raise
             self.event("engine_added", engine=e.id, url=e.url, weight_version=e.weight_version)
             added.append(e.url)
         return added
 
-    def _join(self, e: Engine) -> None:
+    def _check_wanted(self, e: Optional[Engine], cancel: Optional[threading.Event]) -> None:
+        what = "a new engine" if e is None else f"engine {e.id}"
+        if self.closing:
+            raise AddAbandoned(f"{what}: abandoned, the run is shutting down")
+        if cancel is not None and cancel.is_set():
+            raise AddAbandoned(f"{what}: abandoned, its addition was cancelled")
+
+    def _await_start(self, e: Engine, cancel: Optional[threading.Event]) -> str:
+        """The new engine's URL once its start returns, within start_timeout_s; polled so that a cancel or the
+        pool's closing ends the wait (and the start) at once instead of after the server came up."""
+        ref = e.actor.start.remote()
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            ready, _ = ray.wait([ref], timeout=max(0.0, min(ADD_POLL_S, left)), fetch_local=True)
+            if ready:
+                return ray.get(ready[0])
+            self._check_wanted(e, cancel)
+            if left <= 0:
+                raise ray.exceptions.GetTimeoutError(
+                    f"engine {e.id} did not start within {self.start_timeout_s:g} s")
+
+    def _abandon(self, e: Engine, why: Exception) -> None:
+        """An engine whose addition failed or was abandoned: off the router if it had joined, stopped, gone."""
+        with self.lock:
+            was, e.state = e.state, STOPPED
+        if was == ACTIVE:
+            self.leave_router(e)
+        self._stop(e)
+        self._discard(e)
+        if isinstance(why, AddAbandoned):
+            self.event("engine_add_abandoned", engine=e.id, url=e.url, reason=str(why))
+
+    def _join(self, e: Engine, check: Optional[Callable[[], None]] = None) -> None:
+        """Weights, then the router; `check` (raising) runs before the router, after the weight sync."""
         e.state = SYNCING
         self._sync(e)
+        if check is not None:
+            check()
         if self.released:  # colocation has the others' memory released: this one follows them
             self._client(e.url).release_memory(sorted(self.released))
         self._register(e)
@@ -284,7 +342,7 @@ class EnginePool:
         with self.lock:
             was = e.state
             e.state = STOPPED
-        if was in (ACTIVE, DRAINING):
+        if was == ACTIVE:  # a draining engine already left the router (`drain`): asking again fails
             self.leave_router(e)
         if stop:
             self._stop(e)
@@ -320,10 +378,11 @@ class EnginePool:
     def _stop(self, e: Engine) -> None:
         if e.actor is None:
             return
-        try:
-            ray.get(e.actor.shutdown.remote(), timeout=self.stop_timeout_s)
-        except Exception:  # the actor may already be gone
-            pass
+        if e.url is not None:  # a server that is up stops by itself; one still starting is killed at once
+            try:  # (its actor runs one call at a time: a shutdown would wait behind the start)
+                ray.get(e.actor.shutdown.remote(), timeout=self.stop_timeout_s)
+            except Exception:  # the actor may already be gone
+                pass
         try:
             ray.kill(e.actor)  # its resources (a bundle of the placement group) are free for another engine
         except Exception:
@@ -332,9 +391,12 @@ class EnginePool:
     def _discard(self, e: Engine) -> None:
         with self.lock:
             self.engines.pop(e.id, None)
-        if e.own_group is not None and self.remove_placement is not None:
+        self._give_back(e.own_group)
+
+    def _give_back(self, own_group: Any) -> None:
+        if own_group is not None and self.remove_placement is not None:
             try:
-                self.remove_placement(e.own_group)
+                self.remove_placement(own_group)
             except Exception:
                 pass
 
@@ -410,7 +472,7 @@ class EnginePool:
 
     # ------------------------------------------------------------------ the end
     def shutdown(self) -> None:
-        self.closing = True
+        self.closing = True  # an `add` or `replace` under way stops the engine it is starting
         with self.lock:
             engines = list(self.engines.values())
         for e in engines:

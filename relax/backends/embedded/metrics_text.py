@@ -5,30 +5,45 @@ Exported: `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:num_used_t
 `sglang:token_usage` (used KV positions over max running requests x context length: the embedded engine keeps
 one KV cache per running request, so this is its share of the most it can hold) as gauges;
 `sglang:prompt_tokens_total`, `sglang:cached_tokens_total` (prompt tokens of requests that shared another's
-prefill row, `prefix.py`), `sglang:generation_tokens_total`, `sglang:num_requests_total` as counters; and
-`sglang:gen_throughput`, generated tokens per second since the previous scrape. SGLang's latency histograms
-(time to first token, queue time) are not measured by the embedded engine and not exported.
+prefill row, `prefix.py`), `sglang:generation_tokens_total`, `sglang:num_requests_total` as counters
+(cumulative since the server started, as Prometheus counters are: a reader's rate is the difference of its own
+two reads over their time apart, so any number of readers see the same values); and `sglang:gen_throughput`, a
+gauge like SGLang's (which the scheduler sets over its last logging interval): generated tokens per second over
+the last THROUGHPUT_WINDOW_S or a little more, the same for every reader (a read changes none of the values).
+SGLang's latency histograms (time to first token, queue time) are not measured by the embedded engine and not
+exported.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from collections import deque
+from typing import Any, Callable
+
+THROUGHPUT_WINDOW_S = 5.0
 
 
 class EngineMetrics:
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Any, clock: Callable[[], float] = time.monotonic):
         self.engine = engine
+        self.clock = clock
         self._lock = threading.Lock()
-        self._last = (time.monotonic(), 0)
+        # (time, generated tokens) at reads: the oldest kept is the newest at least THROUGHPUT_WINDOW_S old
+        self._history = deque([(clock(), int(engine.stats.get("num_generated_tokens", 0)))])
 
     def _throughput(self, generated: int) -> float:
-        now = time.monotonic()
+        """Tokens/s since the newest reading at least THROUGHPUT_WINDOW_S old (or since the first one, early on):
+        a window of time, not "since the previous read", so a second reader does not disturb the first."""
+        now = self.clock()
         with self._lock:
-            then, before = self._last
-            self._last = (now, generated)
-        return (generated - before) / (now - then) if now > then else 0.0
+            history = self._history
+            while len(history) > 1 and history[1][0] <= now - THROUGHPUT_WINDOW_S:
+                history.popleft()
+            then, before = history[0]
+            if now > history[-1][0]:
+                history.append((now, generated))
+        return max(0, generated - before) / (now - then) if now > then else 0.0
 
     def text(self) -> str:
         e = self.engine
@@ -43,7 +58,7 @@ class EngineMetrics:
             ("sglang:num_used_tokens", "gauge", "KV positions held by running requests.", used),
             ("sglang:token_usage", "gauge", "Used KV positions over max running requests x context length.",
              used / capacity),
-            ("sglang:gen_throughput", "gauge", "Generated tokens per second since the previous scrape.",
+            ("sglang:gen_throughput", "gauge", f"Generated tokens per second over the last {THROUGHPUT_WINDOW_S:g} s.",
              self._throughput(generated)),
             ("sglang:prompt_tokens_total", "counter", "Prompt tokens of requests (cached ones included).",
              stats.get("num_prompt_tokens", 0)),
