@@ -15,8 +15,8 @@ engine joins only after it was given version 1 and reports it.
 Each round: --clients threads post /generate (through the router; --max-new-tokens tokens each, EOS ignored) until
 the scale-out has completed plus --after-out s, then nothing until the scale-in has stopped the added engine.
 Measured (times from the pool's events, the new engine's record and the pool's state polled every 0.1 s; the
-scaling's start is noted by `TimedAutoscaler`, since a row of `decisions` is written once the scaling has
-finished):
+scaling's start is noted by `TimedAutoscaler` when the scaling call begins, which is the `time` of its row in
+`decisions` too):
 
   detect    burst start -> scale-out decision: scale_out_policy.condition_duration_secs (every sample of that span
             must show the load; `_held` lets the span start one sampling interval late, so it can be a little
@@ -32,8 +32,8 @@ finished):
   stop      scale-in decision -> engine stopped: off the router, its in-flight requests drained (none after the
             burst), then its server stopped (--scale-in-shutdown-timeout before a kill).
   tok/s     generated tokens/s the clients received, 1 engine (burst start -> decision) vs 2 engines (1 s after
-            registration -> the last request sent); counted at the clients, since every scrape of /metrics resets the
-            engines' gen_throughput gauge that the autoscaler reads.
+            registration -> the last request sent); counted at the clients, so that the benchmark adds no reader
+            of the engines' /metrics beside the autoscaler.
 
 Measured on this machine (2 cores shared with other jobs, load average ~2 before the run), `--rounds 3`, built-in
 config, 12 clients x 32 tokens (median, then per round; every request answered):
@@ -53,8 +53,9 @@ config floors (3 s condition + < 1 s; 4 s idle + ~0.6 s). The join is the engine
 of a run starts slowest: without load, starts of a further engine measured 9.9 s, then 4.9 and 5.3 s (the actor
 itself 1.4-2.2 s of it); under the burst, which keeps both cores busy, 2-3x that. The second engine brings no
 throughput here (0.82-1.07x): with 1 thread per engine, 2 engines, the router and the 12 clients share 2 cores; with
-a core (or accelerator) per engine the burst's tokens/s would scale. The warning "removing URL from the router: ...
-is not a worker" at each scale-in is the pool asking the router twice (drain, then remove); harmless.
+a core (or accelerator) per engine the burst's tokens/s would scale. (The figures above were measured before a
+scale-in asked the router only once and before --scale-out-timeout bounded a scale-out's wait; neither changes
+what is timed here.)
 
 The built-in config (written to the work folder as autoscaler.yaml; --config replaces it) has windows of
 seconds instead of the product's defaults (30 s / 120 s conditions, 10 s metrics, 30 s evaluation, 60 s / 300 s
@@ -114,7 +115,7 @@ class WeightSource:
 
 
 class TimedAutoscaler(Autoscaler):
-    """Notes when each scaling began: a row of `decisions` is written when the scaling has finished."""
+    """Notes when each scaling began (its row in `decisions` may be written only once it has finished)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
