@@ -3,7 +3,8 @@ an engine killed (SIGKILL) or hung (SIGSTOP) while it holds requests, by the tes
 rollout manager (relax.rollout.fault_injection). The run finishes; the failed engine's requests were sent
 again to the other engine, every sample of every step is there exactly once (the saved rollout data and the
 run's sample accounting); the replacement joins at the current weight version, the weight push reaches the
-pool's engines of the moment, and an engine added after the run's last push serves that push's weights."""
+pool's engines of the moment, and an engine added after the run's last push serves that push's weights. A killed
+router is started again at its address with both engines, and the step loses no sample."""
 
 import json
 import time
@@ -136,3 +137,29 @@ def test_hung_engine_is_found_within_the_probe_timeout_and_replaced(assets):
     assert set(versions.values()) == {"1"}
     print(f"hang: resends {records[0]['rollout/failover_resends']:g}, detected after {failed['time'] - injected['time']:.2f} s, "
           f"replaced {replaced['time'] - failed['time']:.2f} s later")
+
+
+def test_fault_spec_parses_engine_and_router_targets():
+    from relax.rollout.fault_injection import EngineFault
+
+    assert EngineFault.parse("kill:engine=1:step=2") == EngineFault("kill", 1, 2)
+    assert EngineFault.parse("hang:router:step=0:wait=5") == EngineFault("hang", 0, 0, 5.0, router=True)
+    for bad in ("kill:step=1", "kill:engine=1", "kill:rooter:step=1", "stop:router:step=1"):
+        with pytest.raises(ValueError):
+            EngineFault.parse(bad)
+
+
+def test_killed_router_is_started_again_with_its_engines(assets):
+    config = make_config(assets, "router", steps=2)
+    records, events, versions = run_with_fault(config, "kill:router:step=1")
+    assert len(records) == 2
+    check_samples(config, records)  # the requests sent while it was down were sent again: every sample once
+    injected = next(e for e in events if e["kind"] == "fault_injected")
+    restarted = next(e for e in events if e["kind"] == "router_restarted")
+    assert injected["target"] == "router" and injected["in_flight"], injected
+    assert restarted["url"] == injected["url"] and restarted["engines"] == 2  # both engines joined it again
+    assert records[1]["engines/router_restarts"] == 1 and records[1]["engines/failed"] == 0, records[1]
+    assert restarted["time"] - injected["time"] < INTERVAL + 30.0  # found at the next round, plus its start
+    assert set(versions.values()) == {"2"}  # step 1's push went through the pool as usual
+    print(f"router: restarted {restarted['time'] - injected['time']:.2f} s after the kill, "
+          f"resends {records[1]['rollout/failover_resends']:g}")

@@ -110,7 +110,8 @@ def pool_metrics(new: list[dict[str, Any]], history: list[dict[str, Any]]) -> di
     metrics = {"engines/failed": float(sum(e["kind"] == "engine_failed" for e in new)),
                "engines/replaced": float(sum(e["kind"] == "engine_replaced" for e in new)),
                "engines/added": float(sum(e["kind"] == "engine_added" for e in new)),
-               "engines/removed": float(sum(e["kind"] == "engine_removed" for e in new))}
+               "engines/removed": float(sum(e["kind"] == "engine_removed" for e in new)),
+               "engines/router_restarts": float(sum(e["kind"] == "router_restarted" for e in new))}
     injected = {e["url"]: e["time"] for e in history if e["kind"] == "fault_injected"}
     failed_at = {e["url"]: e["time"] for e in history if e["kind"] == "engine_failed"}
     for e in new:
@@ -281,6 +282,11 @@ class RolloutManager:
         self.fault = None
         engines = [e for e in self.pool.engines.values() if e.url]
         target = engines[fault.engine]
+        if fault.router:  # the router's process group (the router and its parent watchdog)
+            router = self.router
+            arm(fault, target.url, lambda sig: os.killpg(router.proc.pid, sig),
+                lambda info: self.pool.event("fault_injected", target="router", **{**info, "url": router.url}))
+            return
         arm(fault, target.url, lambda sig: ray.get(target.actor.signal_server.remote(sig)),
             lambda info: self.pool.event("fault_injected", engine=target.id, **info))
 

@@ -481,7 +481,8 @@ class EnginePool:
 
 
 class HealthMonitor:
-    """--use-fault-tolerance: probes every active engine's /health_generate and replaces the ones that fail."""
+    """--use-fault-tolerance: probes every active engine's /health_generate and replaces the ones that fail, and
+    starts the router again (its engines re-registered) when its process has exited."""
 
     def __init__(self, pool: EnginePool, *, interval_s: float, timeout_s: float, first_wait_s: float = 0.0):
         self.pool = pool
@@ -516,10 +517,35 @@ class HealthMonitor:
         while not self._stop.is_set():
             t0 = time.monotonic()
             try:
+                self.check_router()
                 self.probe_once()
             except Exception as exc:  # a probe round must never end the monitor
                 logger.warning("engine health probe round failed: %r", exc)
             self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - t0)))
+
+    def check_router(self) -> bool:
+        """A router whose process exited is started again at its address, and every active engine joins it again
+        (requests sent meanwhile are re-sent by the rollout within the failover window, relax.rollout.generate).
+        True when it restarted the router."""
+        router = self.pool.router
+        alive = getattr(router, "is_alive", None)
+        if alive is None or alive() or self.pool.closing or self._stop.is_set():
+            return False
+        code = router.returncode() if hasattr(router, "returncode") else None
+        try:
+            router.start()
+            with self.pool.lock:
+                urls = [e.url for e in self.pool.engines.values() if e.state == ACTIVE and e.url]
+            for url in urls:
+                router.add_worker(url)
+        except Exception as exc:
+            self.errors.append(f"router restart: {exc}")
+            self.pool.event("router_restart_failed", url=router.url, reason=str(exc))
+            logger.error("the router at %s exited (code %s) and could not be started again: %s", router.url, code, exc)
+            return False
+        logger.warning("the router at %s exited (code %s); started again with %d engine(s)", router.url, code, len(urls))
+        self.pool.event("router_restarted", url=router.url, exit_code=code, engines=len(urls))
+        return True
 
     def probe_once(self) -> list[str]:
         """One round: every active engine at once. Returns the URLs that failed."""
