@@ -163,3 +163,16 @@ def test_killed_router_is_started_again_with_its_engines(assets):
     assert set(versions.values()) == {"2"}  # step 1's push went through the pool as usual
     print(f"router: restarted {restarted['time'] - injected['time']:.2f} s after the kill, "
           f"resends {records[1]['rollout/failover_resends']:g}")
+
+
+def test_hung_router_is_stopped_and_started_again(assets):
+    # the fault may hit after step 0's last request went through the router: step 1's requests need it
+    config = make_config(assets, "router_hang", steps=2)
+    records, events, _ = run_with_fault(config, "hang:router:step=0")
+    assert len(records) == 2
+    check_samples(config, records)
+    injected = next(e for e in events if e["kind"] == "fault_injected")
+    restarted = next(e for e in events if e["kind"] == "router_restarted")
+    assert injected["target"] == "router" and "/health" in restarted["reason"] and restarted["engines"] == 2
+    # two silent rounds (each a probe interval plus its timeout), then the stop and the start
+    assert restarted["time"] - injected["time"] < 2 * (INTERVAL + TIMEOUT) + 30.0

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import ray
+import requests
 
 from relax.backends.engine_client import EngineClient
 
@@ -493,6 +494,7 @@ class HealthMonitor:
         self._thread: Optional[threading.Thread] = None
         self._replacing: set[int] = set()
         self._threads: list[threading.Thread] = []
+        self._router_silent = 0  # rounds in a row the router has not answered /health
         self.errors: list[str] = []  # replacements that failed for good
         pool.on_failure = self.handle
 
@@ -524,14 +526,24 @@ class HealthMonitor:
             self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - t0)))
 
     def check_router(self) -> bool:
-        """A router whose process exited is started again at its address, and every active engine joins it again
-        (requests sent meanwhile are re-sent by the rollout within the failover window, relax.rollout.generate).
-        True when it restarted the router."""
+        """A router whose process exited (or that stopped answering) is started again at its address, and every
+        active engine joins it again (requests sent meanwhile are re-sent by the rollout within the failover
+        window, relax.rollout.generate). True when it restarted the router."""
         router = self.pool.router
         alive = getattr(router, "is_alive", None)
-        if alive is None or alive() or self.pool.closing or self._stop.is_set():
+        if alive is None or self.pool.closing or self._stop.is_set():
             return False
-        code = router.returncode() if hasattr(router, "returncode") else None
+        if alive():
+            # a hung router (stopped, deadlocked) is alive but silent: two rounds without an answer to /health,
+            # so that one slow answer on a busy host does not cost the requests it holds
+            self._router_silent = 0 if self._answers(router.url) else self._router_silent + 1
+            if self._router_silent < 2:
+                return False
+            why = f"no answer to /health within {self.timeout_s:g} s twice (--rollout-health-check-timeout)"
+            router.stop(timeout_s=2.0)
+        else:
+            why = f"its process exited (code {router.returncode() if hasattr(router, 'returncode') else None})"
+        self._router_silent = 0
         try:
             router.start()
             with self.pool.lock:
@@ -540,12 +552,18 @@ class HealthMonitor:
                 router.add_worker(url)
         except Exception as exc:
             self.errors.append(f"router restart: {exc}")
-            self.pool.event("router_restart_failed", url=router.url, reason=str(exc))
-            logger.error("the router at %s exited (code %s) and could not be started again: %s", router.url, code, exc)
+            self.pool.event("router_restart_failed", url=router.url, reason=f"{why}; restart: {exc}")
+            logger.error("the router at %s failed (%s) and could not be started again: %s", router.url, why, exc)
             return False
-        logger.warning("the router at %s exited (code %s); started again with %d engine(s)", router.url, code, len(urls))
-        self.pool.event("router_restarted", url=router.url, exit_code=code, engines=len(urls))
+        logger.warning("the router at %s failed (%s); started again with %d engine(s)", router.url, why, len(urls))
+        self.pool.event("router_restarted", url=router.url, reason=why, engines=len(urls))
         return True
+
+    def _answers(self, url: str) -> bool:
+        try:
+            return requests.get(url + "/health", timeout=self.timeout_s).status_code < 500
+        except requests.RequestException:
+            return False
 
     def probe_once(self) -> list[str]:
         """One round: every active engine at once. Returns the URLs that failed."""
