@@ -29,8 +29,12 @@ class EngineMetrics:
         self.engine = engine
         self.clock = clock
         self._lock = threading.Lock()
-        # (time, generated tokens) at reads: the oldest kept is the newest at least THROUGHPUT_WINDOW_S old
-        self._history = deque([(clock(), int(engine.stats.get("num_generated_tokens", 0)))])
+        # (time, generated tokens) at reads: the oldest kept is the newest at least THROUGHPUT_WINDOW_S old; the
+        # first at construction when there is an engine (an app may be built without one, e.g. to test its
+        # middleware), else at the first read
+        self._history: deque[tuple[float, int]] = deque()
+        if engine is not None:
+            self._history.append((clock(), int(engine.stats.get("num_generated_tokens", 0))))
 
     def _throughput(self, generated: int) -> float:
         """Tokens/s since the newest reading at least THROUGHPUT_WINDOW_S old (or since the first one, early on):
@@ -38,6 +42,8 @@ class EngineMetrics:
         now = self.clock()
         with self._lock:
             history = self._history
+            if not history:
+                history.append((now, generated))
             while len(history) > 1 and history[1][0] <= now - THROUGHPUT_WINDOW_S:
                 history.popleft()
             then, before = history[0]
