@@ -519,8 +519,8 @@ class HealthMonitor:
         while not self._stop.is_set():
             t0 = time.monotonic()
             try:
+                self.probe_once()  # first: a router check (up to one probe timeout) never delays finding an engine
                 self.check_router()
-                self.probe_once()
             except Exception as exc:  # a probe round must never end the monitor
                 logger.warning("engine health probe round failed: %r", exc)
             self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - t0)))
