@@ -501,7 +501,23 @@ class HealthMonitor:
     def start(self) -> "HealthMonitor":
         self._thread = threading.Thread(target=self._run, name="relax-engine-health", daemon=True)
         self._thread.start()
+        # the router is checked in a thread of its own: its /health probe (up to one probe timeout) never delays
+        # finding a failed engine
+        router_thread = threading.Thread(target=self._run_router, name="relax-router-health", daemon=True)
+        self._threads.append(router_thread)
+        router_thread.start()
         return self
+
+    def _run_router(self) -> None:
+        if self._stop.wait(self.first_wait_s):
+            return
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            try:
+                self.check_router()
+            except Exception as exc:  # a check must never end the monitor
+                logger.warning("router health check failed: %r", exc)
+            self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - t0)))
 
     def stop(self, wait_s: float = 10.0) -> None:
         """Stop probing; give a replacement under way up to `wait_s` to end (the pool is closing, so it stops
@@ -519,8 +535,7 @@ class HealthMonitor:
         while not self._stop.is_set():
             t0 = time.monotonic()
             try:
-                self.probe_once()  # first: a router check (up to one probe timeout) never delays finding an engine
-                self.check_router()
+                self.probe_once()
             except Exception as exc:  # a probe round must never end the monitor
                 logger.warning("engine health probe round failed: %r", exc)
             self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - t0)))
