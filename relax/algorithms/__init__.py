@@ -5,6 +5,7 @@ Conventions: per-token tensors are padded ``[B, T]`` with a ``mask [B, T]`` (1 =
 token that counts in the loss); per-sample tensors are ``[B]``; groups are ``group_ids [B]``.
 """
 
+from ._utils import pad_rows
 from .advantages import (
     broadcast_to_tokens,
     discounted_returns,
@@ -53,6 +54,7 @@ __all__ = [
     "mismatch_metrics",
     "opd_advantages",
     "opsm_mask",
+    "pad_rows",
     "ppo_policy_loss",
     "reduce_loss",
     "reinforce_plus_plus_advantages",

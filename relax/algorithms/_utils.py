@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 
@@ -39,3 +41,21 @@ def per_token(adv: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         adv = adv.unsqueeze(-1)
     return adv.expand_as(like)
 
+
+
+def pad_rows(rows: Sequence[Sequence[float] | torch.Tensor], width: int, pad: float = 0.0,
+             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """1-D rows (tensors or lists) right-padded with `pad` to ``[len(rows), width]`` in `dtype`.
+
+    One concatenation and one indexed write rather than a copy per row: a step pads its 512 rows several times
+    (advantages, micro-batches), and a copy per short row costs more than the rows' data."""
+    out = torch.full((len(rows), width), pad, dtype=dtype)
+    if not rows:
+        return out
+    parts = [(row if torch.is_tensor(row) else torch.as_tensor(row, dtype=dtype)).reshape(-1) for row in rows]
+    lengths = torch.tensor([part.numel() for part in parts])
+    flat = torch.cat(parts).to(dtype)
+    starts = torch.cumsum(lengths, 0) - lengths
+    cols = torch.arange(flat.numel()) - torch.repeat_interleave(starts, lengths)
+    out[torch.repeat_interleave(torch.arange(len(parts)), lengths), cols] = flat
+    return out
