@@ -499,25 +499,16 @@ class HealthMonitor:
         pool.on_failure = self.handle
 
     def start(self) -> "HealthMonitor":
-        self._thread = threading.Thread(target=self._run, name="relax-engine-health", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(self.probe_once, "engine health probe round"),
+                                        name="relax-engine-health", daemon=True)
         self._thread.start()
         # the router is checked in a thread of its own: its /health probe (up to one probe timeout) never delays
         # finding a failed engine
-        router_thread = threading.Thread(target=self._run_router, name="relax-router-health", daemon=True)
+        router_thread = threading.Thread(target=self._run, args=(self.check_router, "router health check"),
+                                         name="relax-router-health", daemon=True)
         self._threads.append(router_thread)
         router_thread.start()
         return self
-
-    def _run_router(self) -> None:
-        if self._stop.wait(self.first_wait_s):
-            return
-        while not self._stop.is_set():
-            t0 = time.monotonic()
-            try:
-                self.check_router()
-            except Exception as exc:  # a check must never end the monitor
-                logger.warning("router health check failed: %r", exc)
-            self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - t0)))
 
     def stop(self, wait_s: float = 10.0) -> None:
         """Stop probing; give a replacement under way up to `wait_s` to end (the pool is closing, so it stops
@@ -529,15 +520,16 @@ class HealthMonitor:
             if thread is not None:
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
-    def _run(self) -> None:
+    def _run(self, round_fn: Callable[[], Any], what: str) -> None:
+        """`round_fn()` every interval (after the first wait) until stopped."""
         if self._stop.wait(self.first_wait_s):
             return
         while not self._stop.is_set():
             t0 = time.monotonic()
             try:
-                self.probe_once()
-            except Exception as exc:  # a probe round must never end the monitor
-                logger.warning("engine health probe round failed: %r", exc)
+                round_fn()
+            except Exception as exc:  # a round must never end the monitor
+                logger.warning("%s failed: %r", what, exc)
             self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - t0)))
 
     def check_router(self) -> bool:
