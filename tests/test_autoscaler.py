@@ -295,17 +295,9 @@ def test_throughput_meter():
 
 def test_scale_out_on_the_engine_pool_cancels_a_start_past_the_timeout(ray_session):
     from relax.rollout.autoscaler import Decision
-    from relax.rollout.engine_pool import EnginePool
-    from test_engine_pool import FakeEngineActor, assert_actor_gone, fake_engine_server
+    from test_engine_pool import assert_actor_gone, slow_start_pool
 
-    server, url = fake_engine_server()
-    router, actors = Router(), []
-
-    def make_actor(engine_id, placement):
-        actors.append(FakeEngineActor.remote(url, start_s=20.0))
-        return actors[-1]
-
-    pool = EnginePool(router, make_actor=make_actor, control_timeout_s=5, start_timeout_s=60)
+    pool, router, actors, server = slow_start_pool()
     scaler = Autoscaler(AutoscalerConfig(max_engines=2), pool, scale_out_timeout_s=1.0,
                         partial_policy="keep_partial", drain_timeout_s=1)
     try:

@@ -337,17 +337,22 @@ def test_an_add_under_way_at_shutdown_leaves_no_engine(ray_session):
         server.shutdown()
 
 
-def test_a_cancelled_add_stops_the_engine_it_was_starting(ray_session):
-    import threading
-
+def slow_start_pool(start_s: float = 20.0):
+    """(pool, router, actors made, fake server) of a pool whose engines take `start_s` to start."""
     server, url = fake_engine_server()
     router, actors = Router(), []
 
     def make_actor(engine_id, placement):
-        actors.append(FakeEngineActor.remote(url, start_s=20.0))
+        actors.append(FakeEngineActor.remote(url, start_s=start_s))
         return actors[-1]
 
-    pool = EnginePool(router, make_actor=make_actor, control_timeout_s=5, start_timeout_s=60)
+    return EnginePool(router, make_actor=make_actor, control_timeout_s=5, start_timeout_s=60), router, actors, server
+
+
+def test_a_cancelled_add_stops_the_engine_it_was_starting(ray_session):
+    import threading
+
+    pool, router, actors, server = slow_start_pool()
     cancel = threading.Event()
     threading.Timer(1.0, cancel.set).start()
     t0 = time.monotonic()
