@@ -310,6 +310,7 @@ def main() -> int:
     from relax.models.embedded import build_embedded_assets
     from relax.roles.engine import EngineActor
     from relax.rollout.engine_pool import EnginePool
+    from rollout_bench import init_local_ray  # benchmarks/ is this script's folder
 
     tmp = tempfile.TemporaryDirectory(prefix="relax-autoscaler-bench-") if args.workdir is None else None
     workdir = args.workdir or tmp.name
@@ -332,17 +333,8 @@ def main() -> int:
           f"max_running_requests {SERVER_ARGS['max_running_requests']}; {os.cpu_count()} cores, load average "
           f"{os.getloadavg()[0]:.1f}", flush=True)
 
-    env = {**worker_env(), ENGINE_API_KEY_ENV: ensure_engine_api_key()}  # the engines and router share the key
-    for attempt in range(5):  # Ray's node start-up wait is a fixed 30 s, too short on a busy machine
-        try:
-            ray.init(num_cpus=args.ray_cpus, include_dashboard=False, log_to_driver=False,
-                     runtime_env={"env_vars": env})
-            break
-        except Exception as exc:
-            ray.shutdown()
-            if attempt == 4:
-                raise
-            print(f"ray.init failed ({str(exc)[:80]}...); retrying")
+    # the engines and router share the key
+    init_local_ray(args.ray_cpus, {**worker_env(), ENGINE_API_KEY_ENV: ensure_engine_api_key()})
 
     def make_actor(engine_id, placement):
         return EngineActor.options(num_cpus=0).remote("embedded", base.hf_checkpoint, SERVER_ARGS, 1, log_dir,

@@ -237,6 +237,24 @@ HEADER = (f"{'engines':>7} {'reward':<14} {'samples/s':>9} {'tokens/s':>9} {'ste
           f"{'gen s':>6} {'tail s':>6} {'call ms':>7} {'busy s':>6} {'dur.gen':>7} {'reward':>6}")
 
 
+
+def init_local_ray(num_cpus: int, env_vars: dict[str, str]) -> None:
+    """A local Ray for a benchmark, tried up to 5 times: Ray's node start-up wait is a fixed 30 s, too short on a
+    busy machine."""
+    import ray
+
+    for attempt in range(5):
+        try:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env_vars},
+                     log_to_driver=False)
+            return
+        except Exception as exc:
+            ray.shutdown()
+            if attempt == 4:
+                raise
+            print(f"ray.init failed ({str(exc)[:80]}...); retrying")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", type=int, nargs="+", default=[1, 2, 4], help="engine counts to compare")
@@ -273,16 +291,7 @@ def main() -> int:
           f"{os.getloadavg()[0]:.1f}): more engines than cores cannot scale linearly here.")
     sys.stdout.flush()
 
-    for attempt in range(5):  # Ray's node start-up wait is a fixed 30 s, too short on a busy machine
-        try:
-            ray.init(num_cpus=args.ray_cpus, include_dashboard=False, runtime_env={"env_vars": worker_env()},
-                     log_to_driver=False)
-            break
-        except Exception as exc:
-            ray.shutdown()
-            if attempt == 4:
-                raise
-            print(f"ray.init failed ({str(exc)[:80]}...); retrying")
+    init_local_ray(args.ray_cpus, worker_env())
     engines, router = [], None
     results: list[Result] = []
     try:
