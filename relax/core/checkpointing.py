@@ -12,7 +12,14 @@ for `--rotate-ckpt` alone), `--save-hf PATH` (HF safetensors + config + tokenize
 weights, from `export_hf_weights`; PATH may contain {rollout_id}), `--async-save` (each trainer rank
 snapshots its state to CPU memory and writes it from a background thread while training continues;
 a controller thread completes and marks the checkpoint when every rank is done; the next save waits for
-it, and the last save of the run is synchronous).
+it, and the last save of the run is synchronous), `--save-retain-interval N` (a rotation never deletes an
+iteration that is a multiple of N; alone it rotates like Megatron-LM: only the last checkpoint besides those).
+
+What a resume restores (`resume_from`): `--load` (its latest iteration, or `--ckpt-step`'s), with everything
+unless `--no-load-optim` / `--no-load-rng`; `--finetune` loads the weights alone and starts at step 0 (fresh
+optimizer and LR schedule, the trainer's RNG and the rollout position not restored, as Megatron-LM's
+--finetune); `--pretrained-checkpoint` is where the weights come from (with --finetune's meaning) while
+`--load` holds no checkpoint yet.
 
 The trainer-side parts run inside each `TrainerWorker` actor through Ray's `__ray_call__`.
 """
@@ -30,7 +37,8 @@ import ray
 
 from relax.backends.megatron import checkpoint_layout as layout
 from relax.backends.megatron.checkpoint import finish_hf_folder, load_weights_only, snapshot_rank, write_rank
-from relax.backends.megatron.checkpoint_layout import MARKER, iter_dir, latest_iteration
+from relax.backends.megatron.checkpoint_layout import (MARKER, iter_dir, iterations_to_delete, latest_iteration,
+                                                       select_iteration)
 
 logger = logging.getLogger("relax")
 
@@ -91,6 +99,12 @@ def _worker_load_weights_only(worker: Any, actor_dir: str) -> int:
     return load_weights_only(worker.trainer, actor_dir)
 
 
+def _worker_load_model_only(worker: Any, path: str, step: Optional[int]) -> str:
+    """--finetune / --pretrained-checkpoint: the weights alone (a Relax checkpoint or an HF folder); the optimizer,
+    scheduler, RNG and the trainer's iteration count stay those of a fresh start."""
+    return worker.trainer.load_weights(path, step)
+
+
 # ============================================================================ controller side
 class _Pending:
     """An async save in flight: the thread that waits for the trainer ranks, then completes it."""
@@ -115,7 +129,8 @@ def wait_for_pending_save(controller: Any) -> None:
 
 
 def keep_limit(config: Any) -> Optional[int]:
-    """How many iterations a save root keeps (--max-actor-ckpt-to-keep, 1 for --rotate-ckpt alone)."""
+    """How many iterations a save root keeps (--max-actor-ckpt-to-keep, 1 for --rotate-ckpt alone); the multiples
+    of --save-retain-interval are kept besides them (`rotate_checkpoints`)."""
     keep = config.max_actor_ckpt_to_keep
     if keep is None and config.rotate_ckpt:
         keep = 1
@@ -128,9 +143,10 @@ def _hf_path(config: Any, rollout_id: int) -> Optional[Path]:
     return Path(str(config.save_hf).replace("{rollout_id}", str(rollout_id)))
 
 
-def save_checkpoint(controller: Any, rollout_id: int) -> Path:
+def save_checkpoint(controller: Any, rollout_id: int, final: bool = False) -> Path:
     """Save the run at `rollout_id` under --save (see the module docstring). Returns the iter_* path (with
-    --async-save it appears once the background write is done)."""
+    --async-save it appears once the background write is done). `final`: the run stops after this save (its last
+    step, or an early stop of relax.core.run_control), so it is written synchronously."""
     config = controller.config
     root = Path(config.save)
     root.mkdir(parents=True, exist_ok=True)
@@ -143,7 +159,7 @@ def save_checkpoint(controller: Any, rollout_id: int) -> Path:
     hf_tmp = hf_final.with_name(hf_final.name + ".tmp") if hf_final is not None else None
     if hf_tmp is not None and hf_tmp.exists():
         shutil.rmtree(hf_tmp)
-    last = rollout_id >= (config.num_rollout or 0)
+    last = final or rollout_id >= (config.num_rollout or 0)
     background = config.async_save and not last
     save_optim = not config.no_save_optim
     t0 = time.perf_counter()
@@ -206,39 +222,49 @@ def _finish(root: Path, rollout_id: int, tmp: Path, meta: dict, rollout_state: A
             shutil.rmtree(hf_final)
         hf_tmp.rename(hf_final)
         logger.info("Hugging Face weights written to %s", hf_final)
-    keep = keep_limit(config)
-    if keep:
-        rotate_checkpoints(root, keep)
+    keep, retain = keep_limit(config), config.get("save_retain_interval")
+    if keep or retain:
+        rotate_checkpoints(root, keep, retain)
 
 
-def rotate_checkpoints(root: str | Path, keep: int) -> list[Path]:
-    """Delete the oldest complete `iter_*` folders beyond `keep` (never the one the marker names)."""
-    latest = latest_iteration(root)
-    iters = layout.iterations(root)
+def rotate_checkpoints(root: str | Path, keep: Optional[int], retain_interval: Optional[int] = None) -> list[Path]:
+    """Delete the oldest `iter_*` folders beyond `keep`, except multiples of `retain_interval` and the one the
+    marker names (`layout.iterations_to_delete`)."""
+    iters = dict(layout.iterations(root))
     removed = []
-    for it, p in iters[:max(0, len(iters) - keep)]:
-        if it == latest:
-            continue
-        shutil.rmtree(p, ignore_errors=True)
-        removed.append(p)
+    for it in iterations_to_delete(list(iters), keep, retain_interval, latest_iteration(root)):
+        shutil.rmtree(iters[it], ignore_errors=True)
+        removed.append(iters[it])
     if removed:
         logger.info("removed old checkpoints: %s", ", ".join(p.name for p in removed))
     return removed
 
 
 # ============================================================================ resume
-def resume_from(controller: Any, load: str) -> None:
+def resume_from(controller: Any, load: Optional[str]) -> None:
+    """Restore the run from --load (see the module docstring); with no checkpoint there, start from
+    --pretrained-checkpoint's weights when it is given, else from step 0 as built."""
     config = controller.config
-    root = Path(load)
-    rollout_id = latest_iteration(root)
+    # --ckpt-step picks an iteration of the checkpoint that is loaded: --load's once it holds one, else the
+    # pretrained one (as in Megatron-LM, whose --pretrained-checkpoint is read only while --load holds none)
+    step = config.get("ckpt_step")
+    has_checkpoint = bool(load) and latest_iteration(load) is not None
+    rollout_id = select_iteration(load, step) if has_checkpoint else None
     if rollout_id is None:
-        logger.info("--load %s holds no checkpoint yet; starting from step 0", load)
+        pretrained = config.get("pretrained_checkpoint")
+        if pretrained:
+            _load_model_only(controller, pretrained, step, "--pretrained-checkpoint")
+        elif load:
+            logger.info("--load %s holds no checkpoint yet; starting from step 0", load)
         return
-    path = iter_dir(root, rollout_id)
+    path = iter_dir(load, rollout_id)
+    if config.get("finetune"):
+        _load_model_only(controller, str(path), None, f"--load {load} with --finetune")
+        return
     actor = path / "actor"
     if not layout.is_saved(actor):
-        raise CheckpointError(f"--load {load}: {MARKER} names iteration {rollout_id} but {actor} is not a complete "
-                              f"checkpoint ({layout.META_FILE} is missing)")
+        raise CheckpointError(f"--load {load}: iteration {rollout_id} is not a complete checkpoint "
+                              f"({actor / layout.META_FILE} is missing; {MARKER} names {latest_iteration(load)})")
     meta = layout.read_meta(actor)
     if not meta.get("optimizer_saved", True) and not config.no_load_optim:
         raise CheckpointError(
@@ -260,3 +286,22 @@ def resume_from(controller: Any, load: str) -> None:
         ray.get([w.push_weights.remote(controller.engine_urls, rollout_id, config.update_weight_buffer_size)
                  for w in controller.workers])
     logger.info("resumed from %s at rollout step %d", path, controller.start_step)
+    newer = [i for i, _ in layout.iterations(load) if i > rollout_id]
+    if step is not None and newer and config.save and Path(config.save).resolve() == Path(load).resolve():
+        logger.warning("--ckpt-step %d: --save %s also holds later iterations %s of an earlier run; this run's saves "
+                       "of the same steps replace them", rollout_id, config.save, newer)
+
+
+def _load_model_only(controller: Any, path: str, step: Optional[int], what: str) -> None:
+    """Megatron-LM's --finetune: the weights of `path` (a Relax checkpoint, save root or HF folder) into every
+    trainer rank; the run starts at step 0 (or --start-rollout-id) with a fresh optimizer, LR schedule and
+    rollout position, and the engines get these weights before the first rollout."""
+    config = controller.config
+    kinds = ray.get([w.__ray_call__.remote(_worker_load_model_only, path, step) for w in controller.workers])
+    start = config.start_rollout_id
+    controller.start_step = 0 if start is None else start
+    if controller.engine_urls:
+        ray.get([w.push_weights.remote(controller.engine_urls, controller.start_step, config.update_weight_buffer_size)
+                 for w in controller.workers])
+    logger.info("%s: loaded the weights of %s (%s) only; starting at rollout step %d with a fresh optimizer, LR "
+                "schedule and rollout position", what, path, kinds[0], controller.start_step)

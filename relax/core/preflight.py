@@ -12,7 +12,9 @@ readers that training uses, so that both agree on what a bad row is) is checked 
 - checkpoints (`--load`, `--ref-load`, `--critic-load`): a path that does not exist is an error (a typo),
   except `--load` equal to `--save`, the resume-or-start pattern of launch scripts, which starts fresh
   and says so. The iteration the marker names must be complete and its files intact (a truncated file
-  is named with its iteration, and the newest complete iteration is offered);
+  is named with its iteration, and the newest complete iteration is offered); `--ckpt-step`'s iteration
+  must be complete (else the complete ones are listed); `--pretrained-checkpoint`, read while `--load` holds no
+  checkpoint, must be a Relax checkpoint or a Hugging Face model folder;
 - a debug replay file (`--load-debug-rollout-data`) exists.
 """
 
@@ -31,6 +33,9 @@ from relax.backends.megatron.checkpoint_layout import (
     is_saved,
     iter_dir,
     latest_iteration,
+    missing_iteration_text,
+    resolve_model_checkpoint,
+    select_iteration,
 )
 from relax.config.eval_sets import eval_sets, reader_keys
 from relax.data.prompt_files import PromptDataError, scan_prompt_file
@@ -55,6 +60,7 @@ def preflight(config: Any) -> list[str]:
     for es in eval_sets(config):
         notes += check_prompt_file(config, f"{eval_flag} {es.name}", es.path, None, **reader_keys(es))
     notes += check_load(config)
+    notes += check_pretrained(config)
     for flag, path in (("--ref-load", config.ref_load), ("--critic-load", config.critic_load)):
         if path and path != config.load and not Path(path).exists():
             raise ConfigError(f"{flag}: {path} does not exist; check the path")
@@ -118,7 +124,11 @@ def check_load(config: Any) -> list[str]:
         return []
     root = Path(load)
     resume_or_start = config.save is not None and root.resolve() == Path(config.save).resolve()
+    pretrained = config.get("pretrained_checkpoint")
     if not root.exists():
+        _step_without_checkpoint(config, root)
+        if pretrained:
+            return [f"--load {load} does not exist yet: starting from --pretrained-checkpoint {pretrained}"]
         if resume_or_start:
             return [f"--load {load} does not exist yet (it is also --save): starting from step 0"]
         raise ConfigError(f"--load: {load} does not exist (a typo?); to start fresh and save there, pass only "
@@ -128,14 +138,24 @@ def check_load(config: Any) -> list[str]:
     except ValueError:
         raise ConfigError(f"--load: {root / MARKER} does not hold an iteration number") from None
     if rollout_id is None:
+        _step_without_checkpoint(config, root)
         if (root / "config.json").is_file() or is_saved(root):  # resuming would ignore these weights
             raise ConfigError(f"--load: {load} holds model weights, not a run checkpoint ({MARKER} is missing); "
                               "--load resumes a run saved with --save. To start from these weights pass the folder "
-                              "as --hf-checkpoint (a Hugging Face model) or --ref-load (a Relax checkpoint: the "
-                              "actor starts from the reference weights)")
+                              "as --hf-checkpoint (a Hugging Face model), --pretrained-checkpoint (the actor starts "
+                              "from these weights) or --ref-load (a Relax checkpoint: the actor starts from the "
+                              "reference weights)")
+        if pretrained:
+            return [f"--load {load} holds no checkpoint yet: starting from --pretrained-checkpoint {pretrained}"]
         if resume_or_start:
             return [f"--load {load} holds no checkpoint yet (it is also --save): starting from step 0"]
         raise ConfigError(f"--load: {load} holds no checkpoint ({MARKER} is missing) and is not the --save folder")
+    if config.get("ckpt_step") is not None:
+        try:
+            select_iteration(root, config.ckpt_step)
+        except ValueError as exc:
+            raise ConfigError(f"--ckpt-step {config.ckpt_step} with --load {load}: {exc}") from None
+        return []
     problem = checkpoint_problem(iter_dir(root, rollout_id))
     if problem:
         older = [i for i in complete_iterations(root) if i < rollout_id]
@@ -143,6 +163,41 @@ def check_load(config: Any) -> list[str]:
                  f"write {older[-1]} into {root / MARKER} to resume from it") if older else \
             "; no earlier complete checkpoint exists"
         raise ConfigError(f"--load: iteration {rollout_id}: {problem}{offer}")
+    return []
+
+
+def _step_without_checkpoint(config: Any, root: Path) -> None:
+    """--ckpt-step picks an iteration of --load, which holds no checkpoint: an error unless --pretrained-checkpoint
+    is read instead (its iteration is then the one picked)."""
+    if config.get("ckpt_step") is not None and not config.get("pretrained_checkpoint"):
+        have = ", ".join(map(str, complete_iterations(root))) or "none"
+        raise ConfigError(f"--ckpt-step {config.ckpt_step}: --load {root} holds no checkpoint ({MARKER} is missing); "
+                          f"complete iterations there: {have}")
+
+
+def check_pretrained(config: Any) -> list[str]:
+    """--pretrained-checkpoint: the weights the actor starts from while --load holds no checkpoint (Megatron-LM's
+    meaning); --ckpt-step then picks its iteration."""
+    path = config.get("pretrained_checkpoint")
+    if not path:
+        return []
+    if config.load and (Path(config.load) / MARKER).is_file():
+        return [f"--pretrained-checkpoint {path} is not read: --load {config.load} holds a checkpoint, which the run "
+                "resumes from"]
+    if not Path(path).exists():
+        raise ConfigError(f"--pretrained-checkpoint: {path} does not exist; check the path")
+    step = config.get("ckpt_step")
+    if step is not None:
+        if not (Path(path) / MARKER).is_file():
+            raise ConfigError(f"--ckpt-step {step} picks an iteration of a save root ({MARKER}), and "
+                              f"--pretrained-checkpoint {path} is not one; drop --ckpt-step")
+        if checkpoint_problem(iter_dir(path, step)) is not None:
+            raise ConfigError(f"--ckpt-step {step} with --pretrained-checkpoint {path}: "
+                              f"{missing_iteration_text(path, step)}")
+    try:
+        resolve_model_checkpoint(path, step)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ConfigError(f"--pretrained-checkpoint: {exc}") from None
     return []
 
 

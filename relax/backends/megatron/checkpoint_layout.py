@@ -178,3 +178,36 @@ def resolve_model_checkpoint(path: str | Path, step: Optional[int] = None, role:
         return "hf", p
     raise FileNotFoundError(f"{p} is neither a Relax checkpoint ({META_FILE}), a save root ({MARKER}) nor a "
                             "Hugging Face model folder (config.json)")
+
+
+# --------------------------------------------------------------------------- choosing and retaining iterations
+def missing_iteration_text(root: str | Path, step: int) -> str:
+    """Why iteration `step` of save root `root` cannot be loaded, listing the complete iterations there."""
+    found = complete_iterations(root)
+    have = ", ".join(map(str, found)) if found else "none"
+    folder = iter_dir(root, step)
+    problem = checkpoint_problem(folder) if folder.is_dir() else f"{folder} does not exist"
+    return f"iteration {step} cannot be loaded ({problem}); complete iterations in {root}: {have}"
+
+
+def select_iteration(root: str | Path, step: Optional[int] = None) -> Optional[int]:
+    """The iteration a resume from save root `root` loads: `step` (--ckpt-step) when given, else the one the
+    marker names (None when there is no marker). A `step` that is not a complete iteration raises ValueError
+    listing the ones that are (Megatron-LM's --ckpt-step also loads that iteration instead of the tracker's)."""
+    if step is None:
+        return latest_iteration(root)
+    if checkpoint_problem(iter_dir(root, step)) is not None:
+        raise ValueError(missing_iteration_text(root, step))
+    return step
+
+
+def iterations_to_delete(ids: list[int], keep: Optional[int], retain_interval: Optional[int],
+                         latest: Optional[int]) -> list[int]:
+    """Which of the saved iterations `ids` a rotation deletes: all but the newest `keep` (1 when only
+    `retain_interval` is set, as Megatron-LM keeps only the last checkpoint besides the retained ones), never one
+    that is a multiple of `retain_interval` (--save-retain-interval) and never `latest` (the marker's)."""
+    if not keep and not retain_interval:
+        return []
+    newest = sorted(ids)[-(keep or 1):]
+    return [i for i in sorted(ids)
+            if i not in newest and i != latest and not (retain_interval and i % retain_interval == 0)]
