@@ -75,8 +75,43 @@ GPU_ONLY_OPTION_REASONS: dict[str, str] = {
     "kitchen_attention_backend": "chooses the backend of NVIDIA Kitchen's quantized attention (CUDA)",
 }
 assert set(GPU_ONLY_OPTION_REASONS) == GPU_OPTIONS, sorted(GPU_OPTIONS ^ set(GPU_ONLY_OPTION_REASONS))
-_ALL_REASONS = {**GPU_ONLY_REASONS, **GPU_ONLY_OPTION_REASONS}
+# Megatron-LM's NCCL flight recorder: torch.distributed's NCCL process groups record their recent collectives and
+# dump them (on a timeout, ...) when these environment variables are set before the groups are created. The trainer
+# ranks get them in their environment (`flight_recorder_env`); gloo, the CPU backend, records nothing.
+_FLIGHT_RECORDER = "a setting of NCCL's flight recorder (torch.distributed's NCCL process groups, GPU only)"
+FLIGHT_RECORDER_ENV: dict[str, str] = {  # dest -> the environment variable, as Megatron-LM sets them
+    "flight_recorder_trace_buffer_size": "TORCH_NCCL_TRACE_BUFFER_SIZE",
+    "flight_recorder_dump_on_timeout": "TORCH_NCCL_DUMP_ON_TIMEOUT",
+    "flight_recorder_include_stack_trace": "TORCH_INCLUDE_STACK_TRACE",
+    "flight_recorder_include_only_active": "TORCH_INCLUDE_ONLY_ACTIVE",
+    "flight_recorder_extra_dump_on_exec": "TORCH_NCCL_EXTRA_DUMP_ON_EXEC",
+}
+_DUMP_VARS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+GPU_ONLY_ENV_REASONS: dict[str, str] = {
+    "flight_recorder_dump_path": "switches on NCCL's flight recorder and names where its dumps go (torch.distributed's "
+                                 "NCCL process groups, GPU only)",
+    **{dest: _FLIGHT_RECORDER for dest in FLIGHT_RECORDER_ENV},
+}
+_ALL_REASONS = {**GPU_ONLY_REASONS, **GPU_ONLY_OPTION_REASONS, **GPU_ONLY_ENV_REASONS}
 GPU_ONLY_FEATURES: frozenset[str] = frozenset(_ALL_REASONS)
+
+
+def flight_recorder_env(config: Any, environ: Any = None) -> dict[str, str]:
+    """The trainer ranks' flight-recorder environment, as Megatron-LM sets it: only once a dump path is known
+    (--flight-recorder-dump-path, or TORCH_FR_DUMP_TEMP_FILE / TORCH_NCCL_DEBUG_INFO_TEMP_FILE already set); a
+    directory gets the per-rank prefix `<dir>/_dump_`; a variable already set (in this environment or
+    --train-env-vars) keeps its value."""
+    environ = os.environ if environ is None else environ
+    given = {**environ, **(config.get("train_env_vars") or {})}
+    path = next((given[v] for v in _DUMP_VARS if given.get(v)), None) or config.get("flight_recorder_dump_path")
+    if not path:
+        return {}
+    prefix = os.path.join(path, "_dump_") if os.path.isdir(path) else str(path)
+    wanted = {var: prefix for var in _DUMP_VARS}
+    for dest, var in FLIGHT_RECORDER_ENV.items():
+        value = config.get(dest)
+        wanted[var] = str(int(value)) if isinstance(value, bool) else str(value)
+    return {var: value for var, value in wanted.items() if var not in given}
 
 
 def gpu_only_flags(config: Any) -> list[str]:

@@ -25,15 +25,18 @@ from relax.backends.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
 from relax.backends.engine_client import EngineClient
 from relax.config.config import Config
 from relax.config.env import threads_per_process, worker_env
+from relax.config.support_gpu import flight_recorder_env
 from relax.core.async_loop import AsyncLoop
 from relax.core.calls import (descendants, run_bounded, run_quietly, set_watch, start_bounded, stop_processes,
                               wait_all, wait_quietly)
 from relax.core.deadlines import FLAGS, Call, Deadlines, RoleFailure
-from relax.core.checkpointing import resume_from, save_checkpoint
+from relax.backends.megatron.checkpoint_layout import iter_dir
+from relax.core.checkpointing import resume_from, save_checkpoint, wait_for_pending_save
 from relax.core.colocate import ColocateProtocol
 from relax.core.health import BOARD_META, HealthManager
 from relax.core.health_restart import ATTEMPT_META, attempt_config
 from relax.core.ray_cluster import start_ray
+from relax.core.run_control import RunControl
 from relax.core.placement import (cluster_has_gpus, colocated_bundles, create_placement_group, role_bundles,
                                   trainer_gpus)
 from relax.core.roles import AuxRoles, build_aux_roles, launch_aux_groups
@@ -82,6 +85,8 @@ class Controller:
         self.stages = None
         self.colocate = None
         self.deadlines = Deadlines.from_config(config)
+        # --exit-duration-in-mins, --exit-signal-handler, --iterations-to-skip (relax.core.run_control)
+        self.run_control = RunControl(config, self.attempt)
         self.accounting = RunAccounting()  # where every sample went, step by step and for the whole run
         self.worker_where: list[str | None] = []  # "host pid N" of each trainer rank, for error lines
         self._in_flight: list[tuple[Any, Any]] = []  # (actor, ref) of calls not known to be finished
@@ -116,7 +121,8 @@ class Controller:
         # or SGLang for seconds), then TransferQueue starts while they import, and only then does the
         # controller wait for each role in turn. Nothing reads the data plane before its setup call.
         threads = threads_per_process(actor_world)
-        train_env = {"env_vars": {**worker_env(c.train_env_vars, training_role=True), **engine_key}}
+        train_env = {"env_vars": {**flight_recorder_env(c), **worker_env(c.train_env_vars, training_role=True),
+                                  **engine_key}}
         self.workers = [
             TrainerWorker.options(num_cpus=1, num_gpus=trainer_gpus(c, use_gpu), runtime_env=train_env,
                                   scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -162,8 +168,9 @@ class Controller:
             logger.info("rollout: %d engine(s) behind %s", len(self.engine_urls),
                         self._rollout_call("router_url", "router address", None))
         self.metrics = MetricsWriter.from_config(c)
-        if c.load:  # bounded like a save: a rank stuck reading the checkpoint ends the run by name
-            run_bounded(lambda: self._resume(c.load), Call("checkpoint", f"resume from {c.load}"),
+        if c.load or c.pretrained_checkpoint:  # bounded like a save: a rank stuck reading it ends the run by name
+            source = c.load or c.pretrained_checkpoint
+            run_bounded(lambda: self._resume(c.load), Call("checkpoint", f"resume from {source}"),
                         deadline_s=self.deadlines.train_s, flag=FLAGS["train"])
         self.colocate = ColocateProtocol(c, self.workers, self.engine_urls, rollout=self.rollout)
         self.started = True
@@ -174,7 +181,8 @@ class Controller:
         if self.config.fully_async:  # the same stages, rollout ahead of training by --max-staleness steps
             AsyncLoop(self).run()
         else:
-            self._loop()
+            with self.run_control.signal_handler():
+                self._loop()
         # everything resident again for the final checks; after a failure the shutdown kills it all anyway
         self._colocate("finish", None, self.colocate.finish)
 
@@ -193,6 +201,10 @@ class Controller:
             metrics["data/step_samples"] = float(self._data_call("count the step's samples", step, self.data.size))
             will_sync = (step + 1) % c.update_weights_interval == 0 and not (c.debug_rollout_only
                                                                             or c.debug_train_only)
+            skipped = self.run_control.skips(step)  # --iterations-to-skip: rolled out, not trained
+            if skipped:
+                metrics["train/skipped_iteration"] = 1.0
+                logger.info("step %d: skipped (--iterations-to-skip %d): rolled out, not trained", step, step + 1)
             if not c.debug_rollout_only:
                 # engines release, trainer reloads
                 metrics.update(self._colocate("release engines, reload trainer", step,
@@ -205,7 +217,7 @@ class Controller:
                               self.stages.advantages,  # advantages, returns
                               self.stages.actor_update,
                               self.stages.reference_refresh,  # every --ref-update-interval steps
-                              self.stages.critic_update):
+                              self.stages.critic_update) if not skipped else ():
                     with timeline.span(stage.__name__, step=step, cat="train"):
                         metrics.update(stage(step))
             t2 = time.perf_counter()
@@ -231,7 +243,8 @@ class Controller:
                                 "weights/version": float(step + 1)})
             clearing.wait()
             t3 = time.perf_counter()
-            if c.save and ((c.save_interval and (step + 1) % c.save_interval == 0) or step + 1 == c.num_rollout):
+            saved = c.save and ((c.save_interval and (step + 1) % c.save_interval == 0) or step + 1 == c.num_rollout)
+            if saved:
                 with timeline.span("save", step=step, cat="checkpoint"):
                     run_bounded(lambda: self.save(step + 1), Call("checkpoint", "save", step=step),
                                 deadline_s=self.deadlines.train_s, flag=FLAGS["train"])
@@ -249,14 +262,32 @@ class Controller:
                 with timeline.span("evaluation", step=step, cat="rollout"):
                     metrics.update(self._rollout_call("evaluate", "evaluation", step + 1, step + 1))
             self.accounting.add(metrics)
-            for problem in step_problems(metrics, trained_expected=not c.debug_rollout_only):
+            for problem in step_problems(metrics, trained_expected=not (c.debug_rollout_only or skipped)):
                 logger.warning("step %d: sample accounting: %s", step, problem)
             self.log_step(step, metrics)
             timeline.record(f"step {step}", step_start, time.time(), step=step, cat="step")
             if c.timeline_dump_dir and (step + 1 - self.start_step) % TIMELINE_MERGE_EVERY == 0:
                 timeline.merge(c.timeline_dump_dir)  # a run stopped later still leaves the steps so far
+            if step + 1 < c.num_rollout and self._stop_early(step, bool(saved)):
+                break
         if self.accounting.steps:
             logger.info("%s (%s)", self.accounting.summary_line(), self.accounting.write(c.output_dir))
+
+    def _stop_early(self, step: int, saved: bool) -> bool:
+        """--exit-duration-in-mins / --exit-signal-handler (relax.core.run_control): after step `step`, save (unless
+        this step was saved) and say why the run stops here."""
+        reason = self.run_control.stop_reason()
+        if reason is None:
+            return False
+        path = None
+        if self.config.save:
+            final = (lambda: wait_for_pending_save(self)) if saved else (lambda: save_checkpoint(self, step + 1, True))
+            run_bounded(final, Call("checkpoint", "save before stopping", step=step), deadline_s=self.deadlines.train_s,
+                        flag=FLAGS["train"])
+            path = iter_dir(self.config.save, step + 1)
+        self.run_control.stopped = self.run_control.stop_line(reason, step + 1, self.config.num_rollout, path)
+        logger.warning("%s", self.run_control.stopped)
+        return True
 
     def log_step(self, step: int, metrics: dict[str, Any]) -> None:
         """Write the step's metrics; with --use-metrics-service they are the step's record there, merged from every

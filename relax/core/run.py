@@ -140,7 +140,10 @@ def run_controller(config: Config) -> int:
                 trace_log.error("traceback of the failure before restart %d", restarts.ledger.restarts + 1,
                                 exc_info=True)
                 controller = restarts.restart(controller, Controller, exc)
-        logger.info("finished %d rollout steps; output in %s", config.num_rollout, out)
+        if controller.run_control.stopped:  # --exit-duration-in-mins / --exit-signal-handler: a clean stop
+            logger.info("stopped early (%s); output in %s", controller.run_control.stopped, out)
+        else:
+            logger.info("finished %d rollout steps; output in %s", config.num_rollout, out)
         return 0
     except KeyboardInterrupt:
         received = getattr(_raise_interrupt, "received", None) or "SIGINT"
