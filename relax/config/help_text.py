@@ -118,7 +118,46 @@ MEGATRON_HELP: dict[str, str] = {
     "distributed_timeout_minutes": "Timeout of the trainer workers' collective operations, in minutes.",
     "fp16": "Train in float16 mixed precision with dynamic loss scaling.",
     "global_batch_size": "Samples per optimizer step, summed over all data-parallel workers.",
-    "load": "Checkpoint directory to resume the actor from (its latest checkpoint).",
+    "load": "Checkpoint directory to resume the actor from (its latest checkpoint, or --ckpt-step's).",
+    # checkpoint contents and run control (relax.config.support_megatron.CHECKPOINT_AND_RUN_CONTROL); Megatron's
+    # iteration is Relax's rollout step
+    "ckpt_step": "Load this iteration (rollout step) of the checkpoint that is loaded instead of its latest: of "
+                 "--load's save root, or of --pretrained-checkpoint's while --load holds no checkpoint. An iteration "
+                 "that is not there stops the run before it starts, listing the complete ones.",
+    "finetune": "Load only the model weights of --load (or --pretrained-checkpoint): the run starts at step 0 with a "
+                "fresh optimizer and LR schedule, the trainer's RNG and the rollout position (data order, sample "
+                "counter) are not restored, as Megatron's --finetune. Drop it when resuming the finetuning run itself.",
+    "pretrained_checkpoint": "Weights the actor starts from while --load holds no checkpoint yet (a Relax save root, "
+                             "iteration or role folder, or a Hugging Face model folder), loaded as with --finetune; "
+                             "once --load holds a checkpoint the run resumes from that instead.",
+    "save_retain_interval": "Checkpoints whose rollout step is a multiple of this are never deleted by rotation. "
+                            "Alone it rotates like Megatron (only the last checkpoint is kept besides them); with "
+                            "--max-actor-ckpt-to-keep N (or --rotate-ckpt) the newest N are kept besides them.",
+    "exit_duration_in_mins": "Stop after the first rollout step that ends more than this many minutes after the "
+                             "run's controller started: save a checkpoint first when --save is set (unless that step "
+                             "was just saved), then exit 0 with a line saying why. 0 or unset: no limit. Not with "
+                             "--fully-async yet.",
+    "exit_signal_handler": "On --exit-signal, finish the current rollout step, save a checkpoint when --save is set "
+                           "and exit 0 (without it SIGTERM/SIGINT stop the run at once, exit 143/130); a second signal "
+                           "stops at once. Not with --fully-async yet.",
+    "exit_signal": "The signal --exit-signal-handler waits for (SIGKILL and SIGSTOP cannot be caught).",
+    "iterations_to_skip": "Rollout steps whose update is skipped, 1-indexed as Megatron's iterations (step S in "
+                          "metrics.jsonl is iteration S + 1). Relax still rolls the step out (its prompts are used, "
+                          "as Megatron's skipped iteration consumes its batch) but runs none of its training stages; "
+                          "the step's record has train/skipped_iteration 1. Not with --fully-async yet.",
+    "flight_recorder_dump_path": "Switch on NCCL's flight recorder for the trainer ranks: where each rank's dump "
+                                 "goes (a folder gets the prefix <folder>/_dump_), set as TORCH_FR_DUMP_TEMP_FILE. "
+                                 "Variables already set in the environment or --train-env-vars win. GPU only.",
+    "flight_recorder_trace_buffer_size": "Collectives the flight recorder keeps (TORCH_NCCL_TRACE_BUFFER_SIZE; with "
+                                         "--flight-recorder-dump-path). GPU only.",
+    "flight_recorder_dump_on_timeout": "Dump the flight recorder when a collective times out "
+                                       "(TORCH_NCCL_DUMP_ON_TIMEOUT; with --flight-recorder-dump-path). GPU only.",
+    "flight_recorder_include_stack_trace": "Record stack traces in the flight recorder (TORCH_INCLUDE_STACK_TRACE; "
+                                           "with --flight-recorder-dump-path). GPU only.",
+    "flight_recorder_include_only_active": "Dump only collectives still in flight (TORCH_INCLUDE_ONLY_ACTIVE; with "
+                                           "--flight-recorder-dump-path). GPU only.",
+    "flight_recorder_extra_dump_on_exec": "Dump the flight recorder once more on exec (TORCH_NCCL_EXTRA_DUMP_ON_EXEC; "
+                                          "with --flight-recorder-dump-path). GPU only.",
     "lr": "Peak learning rate of the actor's optimizer (also the critic's unless --critic-lr is set).",
     "lr_decay_iters": "Optimizer steps over which the learning rate decays from --lr to --min-lr.",
     "lr_decay_style": "Shape of the learning-rate decay after the warm-up.",

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from relax.backends.megatron.checkpoint_layout import MARKER, latest_iteration
+from relax.config import rules_checkpoint
 from relax.config.errors import ConfigError
 
 
@@ -234,7 +235,9 @@ def check_exit_on_missing_checkpoint(v: dict, explicit) -> None:
     """--exit-on-missing-checkpoint: with --load naming no checkpoint (no marker file), stop instead of starting from
     the initial weights, as Megatron-LM does; before Ray."""
     load = v.get("load")
-    if v.get("exit_on_missing_checkpoint") and load and latest_iteration(load) is None:
+    # with --pretrained-checkpoint an empty --load is expected: the weights come from there (relax.core.preflight)
+    if v.get("exit_on_missing_checkpoint") and load and not v.get("pretrained_checkpoint") \
+            and latest_iteration(load) is None:
         raise ConfigError(f"--load {load} holds no checkpoint ({MARKER} is missing) and --exit-on-missing-checkpoint "
                           "says to stop rather than start from the initial weights")
 
@@ -275,4 +278,4 @@ def check_health(v: dict, explicit) -> None:
 
 RULES: tuple = (check_reference, check_corrections, check_critic, check_opd, check_train_data, check_old_policy,
                  check_routing_replay, check_opd_sglang, check_sequence_parallel, check_expert_parallel,
-                 check_context_parallel, check_exit_on_missing_checkpoint, check_health)
+                 check_context_parallel, check_exit_on_missing_checkpoint, check_health) + rules_checkpoint.RULES

@@ -119,6 +119,12 @@ NO_EFFECT_REASONS: dict[str, str] = {
     "bert_binary_head": "it is for BERT models; Relax builds decoder-only GPT models",
     "onnx_safe": "neither megatron-core 0.16 nor Megatron-LM 0.17's training code reads it (Relax exports no ONNX)",
     "cache_mla_latents": _INFERENCE,
+    # Megatron-LM's own signal handlers (relax.core.run stops every run cleanly on SIGINT/SIGTERM)
+    "exit_signal_handler_for_training": ("Relax always stops cleanly on SIGINT and SIGTERM: a bounded shutdown of "
+                                         "every role, one console line, exit 130 / 143 (the last complete checkpoint "
+                                         "stays intact); --exit-signal-handler finishes the step and saves first"),
+    "exit_signal_handler_for_dataloader": ("Relax has no dataloader worker processes: prompts are read by the "
+                                           "rollout manager, which the run's shutdown stops"),
     "use_flash_attn": ("megatron-core reads no such setting (Megatron-LM 0.17 only checks it against "
                        "--deterministic-mode); the attention kernel is --attention-backend's"),
     "moe_enable_routing_replay": ("Relax switches Megatron's routing replay on itself with --use-routing-replay "
@@ -148,7 +154,17 @@ ALWAYS_SO: dict[str, tuple[str | None, Any]] = {
     # --no-overlap-p2p-communication: Megatron-core's default, which Relax keeps
     "overlap_p2p_comm": ("overlap_p2p_comm", False),
 }
-MEGATRON_FEATURES: frozenset[str] = frozenset(ALWAYS_SO)
+# Megatron-LM's checkpoint and run-control flags built into Relax's own loop and checkpoints, with Megatron's meaning
+# in Relax's units (one iteration is one rollout step; see relax.config.help_text for each):
+# - relax.core.checkpointing (resume_from, rotate_checkpoints), relax.backends.megatron.checkpoint_layout
+#   (select_iteration, iterations_to_delete), checked before Ray by relax.config.rules_checkpoint and
+#   relax.core.preflight: tests/test_ckpt_contents.py (units) and tests/test_ckpt_contents_e2e.py (a run);
+# - relax.core.run_control and the loop of relax.core.controller: the same tests.
+CHECKPOINT_AND_RUN_CONTROL: frozenset[str] = frozenset({
+    "ckpt_step", "finetune", "pretrained_checkpoint", "save_retain_interval",
+    "exit_duration_in_mins", "exit_signal_handler", "exit_signal", "iterations_to_skip",
+})
+MEGATRON_FEATURES: frozenset[str] = frozenset(ALWAYS_SO) | CHECKPOINT_AND_RUN_CONTROL
 
 _TP_OVERLAP = ("Transformer Engine's userbuffers, which Megatron-LM's training script sets up; Relax's trainer "
                "does not (GPU)")
@@ -279,24 +295,28 @@ NOT_BUILT: dict[str, tuple[str, frozenset[str]]] = {
             "deterministic_mode",
         })),
     "batch schedule and run control": (
-        "they change which samples are trained or when the run stops, and Relax's loop has no counterpart yet",
+        "--rampup-batch-size and --decrease-batch-size-if-needed change the global batch during the run, which "
+        "Relax's steps (--rollout-batch-size prompts x --n-samples-per-prompt) do not; "
+        "--result-rejected-tracker-filename feeds the iterations to skip from Megatron's rerun state machine, which "
+        "Relax's trainer does not run (--iterations-to-skip is built); --yaml-cfg is Megatron-LM's own YAML layout "
+        "(Relax reads flat YAML with --custom-config-path)",
         frozenset({
-            "rampup_batch_size", "decrease_batch_size_if_needed", "iterations_to_skip",
-            "exit_duration_in_mins", "exit_signal_handler", "exit_signal", "exit_signal_handler_for_dataloader",
-            "exit_signal_handler_for_training", "check_weight_hash_across_dp_replicas_interval",
-            "result_rejected_tracker_filename", "flight_recorder_dump_path",
-            "flight_recorder_trace_buffer_size", "flight_recorder_dump_on_timeout",
-            "flight_recorder_include_stack_trace", "flight_recorder_include_only_active",
-            "flight_recorder_extra_dump_on_exec", "yaml_cfg", "enable_experimental",
+            "rampup_batch_size", "decrease_batch_size_if_needed", "check_weight_hash_across_dp_replicas_interval",
+            "result_rejected_tracker_filename", "yaml_cfg", "enable_experimental",
         })),
     "checkpoint contents": (
-        "they change what a checkpoint holds or what --load restores; Relax's checkpoints always hold the model, "
-        "optimizer, scheduler and RNG state",
+        "--save-wgrads-interval / --save-dgrads-interval write gradients and --load-main-params-from-ckpt loads fp32 "
+        "main parameters, which Relax's checkpoints do not hold apart from the optimizer state; --ckpt-convert-* "
+        "convert Megatron's checkpoint formats, which Relax does not write; --use-checkpoint-args / "
+        "--use-mp-args-from-checkpoint-args take the model's or the parallel settings from a checkpoint, while "
+        "Relax's model always comes from --hf-checkpoint (the model the rollout engines serve) and a resume needs "
+        "the layout that saved it (--ckpt-step, --finetune, --pretrained-checkpoint, --save-retain-interval, "
+        "--no-save-rng / --no-load-rng and --exit-on-missing-checkpoint are built)",
         frozenset({
-            "save_wgrads_interval", "save_dgrads_interval", "save_retain_interval", "load_main_params_from_ckpt",
-            "finetune", "pretrained_checkpoint",
-            "ckpt_step", "use_checkpoint_args", "use_mp_args_from_checkpoint_args", "exit_on_missing_checkpoint",
-            "ckpt_convert_format", "ckpt_convert_save", "ckpt_convert_update_legacy_dist_opt_format", "no_save_rng", "no_load_rng",
+            "save_wgrads_interval", "save_dgrads_interval", "load_main_params_from_ckpt",
+            "use_checkpoint_args", "use_mp_args_from_checkpoint_args", "exit_on_missing_checkpoint",
+            "ckpt_convert_format", "ckpt_convert_save", "ckpt_convert_update_legacy_dist_opt_format", "no_save_rng",
+            "no_load_rng",
         })),
 }
 
