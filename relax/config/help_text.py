@@ -150,14 +150,17 @@ MEGATRON_HELP: dict[str, str] = {
                                  "Variables already set in the environment or --train-env-vars win. GPU only.",
     "flight_recorder_trace_buffer_size": "Collectives the flight recorder keeps (TORCH_NCCL_TRACE_BUFFER_SIZE; with "
                                          "--flight-recorder-dump-path). GPU only.",
-    "flight_recorder_dump_on_timeout": "Dump the flight recorder when a collective times out "
-                                       "(TORCH_NCCL_DUMP_ON_TIMEOUT; with --flight-recorder-dump-path). GPU only.",
+    "flight_recorder_dump_on_timeout": "Do not dump the flight recorder when a collective times out (it does by "
+                                       "default: TORCH_NCCL_DUMP_ON_TIMEOUT; with --flight-recorder-dump-path). GPU "
+                                       "only.",
     "flight_recorder_include_stack_trace": "Record stack traces in the flight recorder (TORCH_INCLUDE_STACK_TRACE; "
                                            "with --flight-recorder-dump-path). GPU only.",
-    "flight_recorder_include_only_active": "Dump only collectives still in flight (TORCH_INCLUDE_ONLY_ACTIVE; with "
-                                           "--flight-recorder-dump-path). GPU only.",
-    "flight_recorder_extra_dump_on_exec": "Dump the flight recorder once more on exec (TORCH_NCCL_EXTRA_DUMP_ON_EXEC; "
-                                          "with --flight-recorder-dump-path). GPU only.",
+    "flight_recorder_include_only_active": "Dump every recorded collective, not only those still in flight (the "
+                                           "default: TORCH_INCLUDE_ONLY_ACTIVE; with --flight-recorder-dump-path). "
+                                           "GPU only.",
+    "flight_recorder_extra_dump_on_exec": "Do not dump the flight recorder once more on exec (it does by default: "
+                                          "TORCH_NCCL_EXTRA_DUMP_ON_EXEC; with --flight-recorder-dump-path). GPU "
+                                          "only.",
     "lr": "Peak learning rate of the actor's optimizer (also the critic's unless --critic-lr is set).",
     "lr_decay_iters": "Optimizer steps over which the learning rate decays from --lr to --min-lr.",
     "lr_decay_style": "Shape of the learning-rate decay after the warm-up.",
