@@ -152,7 +152,8 @@ class RolloutManager:
         self.backend: str | None = None  # the engines' backend; None for external engines
         self.next_index = 0
         self._events_seen = 0  # pool events already reported in a step's metrics
-        self.fault: EngineFault | None = fault_from_env()  # test-only (relax.rollout.fault_injection)
+        # test-only (relax.rollout.fault_injection): faults armed for later steps, each fired once
+        self.faults: list[EngineFault] = [f for f in [fault_from_env()] if f is not None]
         self.reporter = MetricsReporter.from_config(config)  # --use-metrics-service; a no-op otherwise
         timeline.set_role("rollout manager")
         if config.use_fault_tolerance:
@@ -272,14 +273,19 @@ class RolloutManager:
         self.pool.resume_memory(tags)
 
     def inject_engine_fault(self, spec: str) -> None:
-        """Test-only: arm a fault (relax.rollout.fault_injection) for a later step."""
-        self.fault = EngineFault.parse(spec)
+        """Test-only: arm a fault (relax.rollout.fault_injection) for a later step; several may be armed (one
+        run then tests several recoveries one after the other)."""
+        self.faults.append(EngineFault.parse(spec))
 
     def _maybe_inject(self, step: int) -> None:
-        fault = self.fault
-        if fault is None or fault.step != step or self.pool is None:
+        if self.pool is None:
             return
-        self.fault = None
+        due = [f for f in self.faults if f.step == step]
+        self.faults = [f for f in self.faults if f.step != step]
+        for fault in due:
+            self._inject(fault)
+
+    def _inject(self, fault: EngineFault) -> None:
         engines = [e for e in self.pool.engines.values() if e.url]
         target = engines[fault.engine]
         if fault.router:  # the router's process group (the router and its parent watchdog)
