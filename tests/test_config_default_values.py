@@ -81,8 +81,8 @@ def test_moe_aux_loss_coeff_zero_is_supported(tmp_path):
 def test_non_default_values_are_still_refused(tmp_path):
     cfg = parse_config(["--muon-momentum", "0.8", "--output-dir", str(tmp_path)])
     assert unsupported_flags(cfg) == ["--muon-momentum"]
-    cfg = parse_config(["--iterations-to-skip", "3", "--output-dir", str(tmp_path)])
-    assert unsupported_flags(cfg) == ["--iterations-to-skip"]
+    cfg = parse_config(["--rampup-batch-size", "2", "2", "100", "--output-dir", str(tmp_path)])  # a list value
+    assert unsupported_flags(cfg) == ["--rampup-batch-size"]
 
 
 def test_same_value_compares_by_value():
