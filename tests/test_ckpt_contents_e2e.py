@@ -55,12 +55,15 @@ def test_pretrained_skip_retain_and_exit_duration_in_one_run(tmp_path):
     def started(controller):
         rc = controller.run_control
         rc.clock = lambda: rc.started + next(ends)
-        seen["start"] = controller.start_step
+        seen["start"], seen["controller"] = controller.start_step, controller
         seen["actor"] = ray.get(controller.workers[0].weights_checksum.remote())
 
     records = run_steps(config, after_start=started)
     assert seen["start"] == 0 and seen["actor"] == pytest.approx(expected, rel=1e-6)
-    assert [r["step"] for r in records] == [0, 1, 2]  # stopped early, cleanly
+    assert [r["step"] for r in records] == [0, 1, 2]  # stopped early, cleanly, saying why and where
+    assert seen["controller"].run_control.stopped == (
+        f"stopping after step 2 (3 of 6 steps done): --exit-duration-in-mins 1: 1.0 min since the run started; "
+        f"checkpoint 3 saved in {save} (resume with --load {save})")
     assert records[1]["train/skipped_iteration"] == 1.0 and "train/loss" not in records[1]
     assert records[1]["rollout/num_samples"] == 4  # the skipped step was still rolled out
     assert all("train/loss" in records[s] for s in (0, 2))
