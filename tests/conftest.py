@@ -39,6 +39,7 @@ def shared_ray():
 
     from relax.backends.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
     from relax.config.env import worker_env
+    from relax.core.worker_setup import WORKER_SETUP_HOOK
 
     if not ray.is_initialized():
         # Hooks that tests name by module (`test_rollout_e2e.mark`) are imported inside the roles: the workers
@@ -46,7 +47,8 @@ def shared_ray():
         path = os.pathsep.join([str(ROOT / "tests"), str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
         ray.init(num_cpus=SHARED_RAY_CPUS, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {**worker_env(), ENGINE_API_KEY_ENV: ensure_engine_api_key(),
-                                           "PYTHONPATH": path}},
+                                           "PYTHONPATH": path},
+                              "worker_process_setup_hook": WORKER_SETUP_HOOK},  # as the run's (relax.core.ray_cluster)
                  _system_config={"prestart_worker_first_driver": False})  # as the controller's (no idle workers)
     return ray
 

@@ -10,7 +10,7 @@ import ray
 
 from relax.backends.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
 from relax.config.env import worker_env
-from relax.observability.console import WORKER_SETUP_HOOK
+from relax.core.worker_setup import WORKER_SETUP_HOOK
 
 
 def start_ray(config: Any) -> bool:

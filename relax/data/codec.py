@@ -61,9 +61,14 @@ import pickle
 from typing import Any, Iterable, Sequence
 
 import torch
-from tensordict import NonTensorStack, TensorDict
 
-from relax.data.sample import ROLLOUT_FIELDS, SAMPLE_FIELDS, STAGE_FIELDS, Sample, check_fields, columns_to_samples
+from relax.data import tensordict_import
+
+tensordict_import.install()  # tensordict without torch._dynamo (see the module)
+
+from tensordict import NonTensorStack, TensorDict  # noqa: E402
+
+from relax.data.sample import ROLLOUT_FIELDS, SAMPLE_FIELDS, STAGE_FIELDS, Sample, check_fields, columns_to_samples  # noqa: E402,E501
 
 logger = logging.getLogger(__name__)
 

@@ -55,11 +55,16 @@ import time
 from typing import Any, Iterable, Sequence
 
 import torch
-from tensordict import TensorDict
 
-from relax.data.codec import RECORD_FIELD, decode_samples, encode_records, encode_samples, encode_stage_rows
-from relax.data.sample import ROLLOUT_FIELDS, STAGE_FIELDS, Sample, check_fields
-from relax.data.sampler import IndexOrderSampler
+from relax.data import tensordict_import
+
+tensordict_import.install()  # tensordict without torch._dynamo (see the module)
+
+from tensordict import TensorDict  # noqa: E402
+
+from relax.data.codec import RECORD_FIELD, decode_samples, encode_records, encode_samples, encode_stage_rows  # noqa: E402
+from relax.data.sample import ROLLOUT_FIELDS, STAGE_FIELDS, Sample, check_fields  # noqa: E402
+from relax.data.sampler import IndexOrderSampler  # noqa: E402
 
 os.environ.setdefault("TQ_NUM_THREADS", "1")  # TQ warns on every call when unset
 

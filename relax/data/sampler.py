@@ -14,7 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from transfer_queue.sampler import BaseSampler
+from relax.data import tensordict_import
+
+tensordict_import.install()  # tensordict without torch._dynamo (see the module)
+
+from transfer_queue.sampler import BaseSampler  # noqa: E402
 
 
 class IndexOrderSampler(BaseSampler):

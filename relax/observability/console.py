@@ -38,8 +38,6 @@ LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 RELAX_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} relax(\.[\w.-]+)? (DEBUG|INFO|WARNING|ERROR|CRITICAL) ")
 # The rollout manager's tqdm bar (relax.roles.rollout: desc "rollout N").
 PROGRESS = re.compile(r"^rollout \d+: ")
-# Ray's worker set-up hook (runtime_env "worker_process_setup_hook"), as the controller passes it to ray.init.
-WORKER_SETUP_HOOK = "relax.observability.console.setup_worker"
 # Words holding a digit (timestamps, pids, counts, addresses) do not make two lines different.
 _NUMBERED = re.compile(r"\S*\d\S*")
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -237,7 +235,7 @@ def _source(data: dict[str, Any]) -> str:
 
 
 def setup_worker() -> None:
-    """Ray's worker set-up hook (WORKER_SETUP_HOOK), run in every worker of the run before its actor's module
+    """Part of Ray's worker set-up hook (relax.core.worker_setup), run in every worker of the run before its actor's module
     is imported: Relax's records of WARNING and worse go to stderr in the driver's line shape, which the driver
     shows on the console. Without it, Python's last-resort handler prints them bare, like library output."""
     log = logging.getLogger("relax")
