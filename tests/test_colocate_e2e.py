@@ -1,13 +1,22 @@
 """--colocate / --offload-train / --offload-rollout / --balance-data end to end through the controller on CPU (real
 Ray, Megatron-core over gloo with 2 data-parallel ranks, 2 embedded engines behind the router, TransferQueue).
 
-- a plain run is the reference: same seeds, so the same rollouts and losses are expected bit for bit;
-- --colocate: engines and trainer ranks share bundles; every step the engines release their memory before the
-  update, resume their weights for the push (KV cache still released), then resume the KV cache, while the
-  trainer ranks offload (resident memory measured) and reload. The engines' event logs show that order, the
-  rollouts (served by the pushed weights) and the losses equal the plain run's;
-- --offload-train alone, --offload-rollout alone (with --update-weights-interval 2: a step without a push
-  releases only the KV cache), and --colocate --balance-data (token spread across ranks shrinks).
+Every run starts the same way (that start, not its sub-second steps, is what a run costs), so the runs are few and
+each proves several things. Three runs share seeds, data and --update-weights-interval 2 over 3 steps (step 0
+rolls out without a push, step 1 pushes, step 2 is rolled out by the pushed weights), so the same rollouts and
+losses are expected bit for bit in all three:
+
+- --offload-train alone: the trainer ranks offload and reload, the engines keep their memory (only weight
+  updates in their event logs);
+- --offload-rollout alone: the engines release their memory (only the KV cache on a step without a push, the
+  weights too before a push), the trainer is not offloaded. These two runs differ from a plain run in disjoint
+  parts (trainer vs engines), so their being equal at every step, optimizer state included (steps 1 and 2),
+  shows each of them exact: no plain run is needed as a reference;
+- --colocate: engines and trainer ranks share bundles; the engines release before the update, resume their
+  weights for the push (KV cache still released), then resume the KV cache, while the trainer ranks offload
+  (resident memory measured) and reload. The engines' event logs show that order, the rollouts (step 2 served
+  by the pushed weights) and the losses equal the other two runs';
+- --colocate --balance-data (its own data and split: the token spread across ranks shrinks).
 """
 
 import json
@@ -68,17 +77,29 @@ def _run(assets, name, steps, *extra):
     return {"metrics": metrics, "rollouts": rollouts, "events": events, "checksum": checksum}
 
 
-def _plain(assets):
-    if "plain" not in RUNS:
-        RUNS["plain"] = _run(assets, "plain", 2)
-    return RUNS["plain"]
+STEPS = 3
+SPARSE = ("--update-weights-interval", "2")  # step 0 pushes nothing, step 1 pushes, step 2 uses the pushed weights
 
 
-def _same_training(run, plain, steps):
+def _cached(assets, name, *flags):
+    if name not in RUNS:
+        RUNS[name] = _run(assets, name, STEPS, *flags, *SPARSE)
+    return RUNS[name]
+
+
+def _offload_train(assets):
+    return _cached(assets, "offload_train", "--offload-train")
+
+
+def _offload_rollout(assets):
+    return _cached(assets, "offload_rollout", "--offload-rollout")
+
+
+def _same_training(run, reference, steps):
     for step in steps:
-        assert run["rollouts"][step] == plain["rollouts"][step], step
+        assert run["rollouts"][step] == reference["rollouts"][step], step
         for key in ("train/loss", "train/grad_norm", "rollout/reward_mean"):
-            assert run["metrics"][step][key] == plain["metrics"][step][key], (step, key)
+            assert run["metrics"][step][key] == reference["metrics"][step][key], (step, key)
 
 
 def _phases(events):
@@ -91,51 +112,56 @@ def _phases(events):
     return out
 
 
-def test_colocate_protocol_order_and_exactness(assets):
-    plain = _plain(assets)
-    run = _run(assets, "colocate", 2, "--colocate")
-    _same_training(run, plain, range(2))  # offload + reload leave the trainer bit-identical
-    assert run["checksum"] == plain["checksum"]  # the same final weights, read after the loop
-    one_step = [("release", ("kv_cache", "weights")), ("resume", ("weights",)), ("update_weights", ()),
-                ("resume", ("kv_cache",))]
+NO_PUSH_STEP = [("release", ("kv_cache",)), ("resume", ("kv_cache",))]
+PUSH_STEP = [("release", ("kv_cache", "weights")), ("resume", ("weights",)), ("update_weights", ()),
+             ("resume", ("kv_cache",))]
+
+
+def test_offload_train_alone(assets):
+    run, other = _offload_train(assets), _offload_rollout(assets)
+    # offloaded before each rollout, reloaded before each update: equal to a run whose trainer stays resident
+    _same_training(run, other, range(STEPS))
+    assert run["checksum"] == other["checksum"]  # the same final weights, read after the loop
+    assert len(run["events"]) == 2
+    for events in run["events"]:  # engines keep their memory: one weight push (step 1), nothing released
+        assert events and all(e["event"] == "update_weights" for e in events)
+        assert {e["weight_version"] for e in events} == {"2"}
+    for step in range(STEPS):
+        assert run["metrics"][step]["offload/train_bytes"] > 0
+
+
+def test_offload_rollout_alone_with_sparse_weight_updates(assets):
+    run = _offload_rollout(assets)
+    _same_training(run, _offload_train(assets), range(STEPS))  # engines' release and resume change nothing
+    assert all("offload/train_bytes" not in run["metrics"][step] for step in range(STEPS))  # trainer stays
     assert len(run["events"]) == 2
     for events in run["events"]:
-        assert _phases(events) == one_step * 2
+        # a step without a push releases only the KV cache (the weights stay, nothing would refill them)
+        assert _phases(events) == NO_PUSH_STEP + PUSH_STEP + NO_PUSH_STEP
+
+
+def test_colocate_protocol_order_and_exactness(assets):
+    reference = _offload_train(assets)
+    run = _cached(assets, "colocate", "--colocate")
+    _same_training(run, reference, range(STEPS))  # offload + reload of both sides leave everything bit-identical
+    _same_training(run, _offload_rollout(assets), range(STEPS))
+    assert run["checksum"] == reference["checksum"]  # the same final weights, read after the loop
+    assert len(run["events"]) == 2
+    for events in run["events"]:
+        assert _phases(events) == NO_PUSH_STEP + PUSH_STEP + NO_PUSH_STEP
         updates = [e for e in events if e["event"] == "update_weights"]
-        # weights were pushed while the KV cache was still released, one version per step
-        assert all(e["memory_released"] == ["kv_cache"] for e in updates)
-        assert sorted({e["weight_version"] for e in updates}) == ["1", "2"]
+        # weights were pushed while the KV cache was still released, once, as version 2 (after step 1)
+        assert updates and all(e["memory_released"] == ["kv_cache"] for e in updates)
+        assert {e["weight_version"] for e in updates} == {"2"}
         times = [e["time"] for e in events]
         assert times == sorted(times) and [e["seq"] for e in events] == sorted(e["seq"] for e in events)
-    # a plain run never releases or resumes
-    assert len(plain["events"]) == 2 and all(e["event"] == "update_weights" for ev in plain["events"] for e in ev)
-    for step in range(2):
+    for step in range(STEPS):
         m = run["metrics"][step]
         assert m["offload/train_bytes"] > 0 and m["perf/engine_release_time"] >= 0
         print(f"\nstep {step}: trainer rank 0 RSS before offload {m['offload/train_rss_before'] / 2**20:.1f} MiB, "
               f"after {m['offload/train_rss_after'] / 2**20:.1f} MiB ({m['offload/train_bytes'] / 2**20:.1f} MiB "
               "offloaded)")
         assert m["offload/train_rss_after"] < m["offload/train_rss_before"]
-
-
-def test_offload_train_alone(assets):
-    plain = _plain(assets)
-    run = _run(assets, "offload_train", 1, "--offload-train")
-    _same_training(run, plain, [0])  # offloaded before the rollout, reloaded before the update
-    assert all(e["event"] == "update_weights" for ev in run["events"] for e in ev)  # engines keep their memory
-    assert run["metrics"][0]["offload/train_bytes"] > 0
-
-
-def test_offload_rollout_alone_with_sparse_weight_updates(assets):
-    plain = _plain(assets)
-    run = _run(assets, "offload_rollout", 2, "--offload-rollout", "--update-weights-interval", "2")
-    _same_training(run, plain, [0])  # step 1 differs: the plain run pushed weights after step 0
-    assert "offload/train_bytes" not in run["metrics"][0]
-    for events in run["events"]:
-        # step 0 pushes nothing: only the KV cache is released (the weights stay, nothing would refill them)
-        assert _phases(events) == [("release", ("kv_cache",)), ("resume", ("kv_cache",)),
-                                   ("release", ("kv_cache", "weights")), ("resume", ("weights",)),
-                                   ("update_weights", ()), ("resume", ("kv_cache",))]
 
 
 def test_colocate_balance_data_shrinks_token_spread(assets):
