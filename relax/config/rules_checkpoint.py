@@ -13,7 +13,8 @@ from relax.config.errors import ConfigError
 _UNCATCHABLE = {"SIGKILL", "SIGSTOP"}
 
 
-def _signal_name(value) -> str:
+def signal_name(value) -> str:
+    """--exit-signal's value as a signal name: Megatron's parser gives an enum, a config file a string."""
     return value.name if isinstance(value, enum.Enum) else str(value)
 
 
@@ -42,7 +43,7 @@ def check_run_control(v: dict, explicit) -> None:
     minutes = v.get("exit_duration_in_mins")
     if minutes is not None and minutes < 0:
         raise ConfigError(f"--exit-duration-in-mins {minutes} must be a number of minutes > 0 (0 or unset: no limit)")
-    name = _signal_name(v.get("exit_signal") or "SIGTERM")
+    name = signal_name(v.get("exit_signal") or "SIGTERM")
     if "exit_signal" in explicit and name != "SIGTERM" and not v.get("exit_signal_handler"):
         raise ConfigError(f"--exit-signal {name} names the signal --exit-signal-handler waits for; add "
                           "--exit-signal-handler or drop --exit-signal")

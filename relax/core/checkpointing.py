@@ -282,9 +282,7 @@ def resume_from(controller: Any, load: Optional[str]) -> None:
     ray.get(controller.rollout.load_state_dict.remote(layout.read_run_state(path)))
     start = config.start_rollout_id
     controller.start_step = rollout_id if start is None else start
-    if controller.engine_urls:
-        ray.get([w.push_weights.remote(controller.engine_urls, rollout_id, config.update_weight_buffer_size)
-                 for w in controller.workers])
+    _push_loaded_weights(controller, rollout_id)
     logger.info("resumed from %s at rollout step %d", path, controller.start_step)
     newer = [i for i, _ in layout.iterations(load) if i > rollout_id]
     if step is not None and newer and config.save and Path(config.save).resolve() == Path(load).resolve():
@@ -300,8 +298,13 @@ def _load_model_only(controller: Any, path: str, step: Optional[int], what: str)
     kinds = ray.get([w.__ray_call__.remote(_worker_load_model_only, path, step) for w in controller.workers])
     start = config.start_rollout_id
     controller.start_step = 0 if start is None else start
-    if controller.engine_urls:
-        ray.get([w.push_weights.remote(controller.engine_urls, controller.start_step, config.update_weight_buffer_size)
-                 for w in controller.workers])
+    _push_loaded_weights(controller, controller.start_step)
     logger.info("%s: loaded the weights of %s (%s) only; starting at rollout step %d with a fresh optimizer, LR "
                 "schedule and rollout position", what, path, kinds[0], controller.start_step)
+
+
+def _push_loaded_weights(controller: Any, version: int) -> None:
+    """The engines serve the weights just loaded (as `version`) before the first rollout."""
+    if controller.engine_urls:
+        ray.get([w.push_weights.remote(controller.engine_urls, version, controller.config.update_weight_buffer_size)
+                 for w in controller.workers])

@@ -18,13 +18,14 @@ Both stops log one line saying why, after which step, and where the checkpoint i
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import signal
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
+
+from relax.config.rules_checkpoint import signal_name
 
 logger = logging.getLogger("relax")
 
@@ -35,8 +36,7 @@ _RUN_STARTS: dict[str, float] = {}
 
 def signal_of(value: Any) -> signal.Signals:
     """--exit-signal's value (a name, or the enum Megatron's own parser gives) as a signal."""
-    name = value.name if isinstance(value, enum.Enum) else str(value)
-    return signal.Signals[name]
+    return signal.Signals[signal_name(value)]
 
 
 class RunControl:
