@@ -4,7 +4,9 @@ uniformly; every prompt's label is 7, so the reward starts near chance (0.1) and
 and weight sync must move it up within 8 steps of 64 samples. A KL loss to the warm start keeps the answer
 format (without it the policy drifts off the format at this learning rate), and 4 warm-up iterations keep the
 first update small (the head-only warm start collapses in one full-rate update: relax.models.embedded). ppo
-trains its critic alongside.
+trains its critic alongside. rloo runs fully-async (--fully-async --max-staleness 1): the rollout of step N+1
+runs while step N trains, so one estimator proves that asynchronous training (samples of the policy one update
+behind, every sample index trained once) raises the reward too, with no run of its own in the suite.
 Runs are deterministic (per-sample sampling seeds), so the thresholds do not depend on machine load."""
 
 import json
@@ -28,6 +30,9 @@ def assets(tmp_path_factory):
     return base
 
 
+ASYNC = {"rloo": ["--fully-async", "--max-staleness", "1"]}  # the estimators that run fully-async
+
+
 @pytest.mark.parametrize("estimator", ["grpo", "gspo", "rloo", "ppo"])
 def test_estimator_raises_the_reward(assets, estimator):
     config = parse_config([
@@ -38,9 +43,26 @@ def test_estimator_raises_the_reward(assets, estimator):
         "--lr-decay-style", "constant", "--lr-warmup-iters", "4", "--micro-batch-size", "8", "--rollout-shuffle",
         "--use-kl-loss", "--kl-loss-coef", "0.05", "--kl-loss-type", "low_var_kl",
         "--advantage-estimator", estimator, "--resource", '{"actor": [1, 1], "rollout": [1, 1]}',
-        "--distributed-backend", "gloo", "--output-dir", str(assets / estimator)])
-    rewards = [r["rollout/reward_mean"] for r in run_steps(config)]
+        "--distributed-backend", "gloo", "--output-dir", str(assets / estimator), *ASYNC.get(estimator, [])])
+    records = run_steps(config)
+    rewards = [r["rollout/reward_mean"] for r in records]
     assert len(rewards) == 8
     start, end = statistics.fmean(rewards[:2]), statistics.fmean(rewards[-3:])
     assert start < 0.2, rewards
     assert end > start + 0.12, f"{estimator}: reward did not rise: {rewards}"
+    if estimator in ASYNC:
+        _assert_ran_async(records)
+
+
+def _assert_ran_async(records):
+    """The run really was asynchronous: some step trained samples of the policy one update behind (never more),
+    and consecutive steps tile the sample indexes (each trained once, none skipped), as
+    tests/test_fully_async_e2e.py checks."""
+    assert all(0 <= r["async/staleness_max"] <= 1 for r in records), records
+    assert max(r["async/staleness_max"] for r in records) == 1, [r["async/staleness_max"] for r in records]
+    expected = 0
+    for r in records:
+        assert r["async/index_min"] == expected, r
+        assert r["async/index_max"] - r["async/index_min"] + 1 == r["async/num_indexes"] == r["data/step_samples"] == 64
+        expected = int(r["async/index_max"]) + 1
+    assert expected == 8 * 64
