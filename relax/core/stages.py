@@ -5,7 +5,8 @@ per-sample outputs back as stage fields (relax.data.sample.STAGE_FIELDS); what c
 metrics only:
 
     rollout              rollout manager   tokens, masks, rewards, weight version, routes   (the controller's)
-    reference_logprobs   reference group   ref_logprobs  (actor ranks: AuxRoles.reference_in_trainer)
+    reference_logprobs   reference group   ref_logprobs  (actor ranks: AuxRoles.reference_in_trainer; there
+                                           the pass runs beside actor_forward, which waits for it)
     teacher_logprobs     teacher group     teacher_logprobs  (or the --opd-type sglang server)
     critic_values        critic group      values
     actor_forward        actor ranks       old_logprobs (when the loss needs them)
@@ -47,6 +48,8 @@ class Stages:
             if not self.aux.reference_in_trainer:
                 return {}
             parts = self._trainers("reference_logprobs", "reference log-probs", step, step)
+            if any(p.get("overlapped") for p in parts):  # runs beside actor_forward, which reports its time
+                return {}
             return {"perf/ref_logprob_time": max(p["seconds"] for p in parts)}
         return {"perf/ref_logprob_time": self._group("reference", "reference log-probs", step,
                                                      lambda: ref.compute(step))}

@@ -22,6 +22,7 @@ from relax.data.sample import Sample
 from relax.observability import timeline
 from relax.observability.metrics_client import MetricsReporter
 from relax.observability.profiling import Profiling, install_cuda_memory_check
+from relax.roles.background import BackgroundCall
 from relax.roles.megatron_rank import MegatronRank
 from relax.rollout.rewards.runner import check_step_rewards, reward_name
 from relax.training.step import advantage_stage, check_rows, forward_stage, update_stage
@@ -132,6 +133,7 @@ class TrainerWorker(MegatronRank):
         # the step's samples read by the in-trainer reference stage, for the forward stage that follows
         self._prefetched: dict[int, list[Sample]] = {}
         self.reference = None  # the reference model when `reference_in_trainer`
+        self._reference_pass = None  # (step, start, BackgroundCall) of its pass running beside the forward stage
         # --use-pytorch-profiler sections and --memory-snapshot-num-steps records of this rank
         self.profiling = Profiling.from_config(config, rank)
         self.reporter = MetricsReporter.from_config(config)  # --use-metrics-service; a no-op otherwise
@@ -171,9 +173,14 @@ class TrainerWorker(MegatronRank):
         samples = self._prefetched.pop(step, None)  # read by this rank's reference stage just before
         if samples is None:
             samples = self.data.get(step)  # the whole step, in index order, on every rank
-        failed = check_step_rewards(samples, step, reward_name(self.config))
-        with self.profiling.section("train_log_probs", step):
-            batch, olds = forward_stage(self.trainer, samples, self.config, step)
+        try:
+            failed = check_step_rewards(samples, step, reward_name(self.config))
+            with self.profiling.section("train_log_probs", step):
+                batch, olds = forward_stage(self.trainer, samples, self.config, step)
+        except BaseException:
+            self._reference_done(step, t0, time.perf_counter(), failing=True)  # this stage's error is the one
+            raise
+        reference = self._reference_done(step, t0, time.perf_counter())
         batch.metrics["train/reward_failed_samples"] = float(failed)
         if olds is not None and self.rank == 0 and not self._holds_every_field():
             self.data.put_fields(step, [s.index for s in batch.samples], old_logprobs=olds)
@@ -190,7 +197,8 @@ class TrainerWorker(MegatronRank):
         batch = self._batch(step)
         inputs = self._written(step, ("old_logprobs", "ref_logprobs", "values", "teacher_logprobs"))
         rows = self._read_fields(batch, inputs)
-        advantages, returns, _ = advantage_stage(batch, self.config, **rows)
+        with native_device_ops():  # host tensor math alone: no CUDA-to-CPU rewriting (a Python hop per op)
+            advantages, returns, _ = advantage_stage(batch, self.config, **rows)
         out = {"advantages": advantages} if returns is None else {"advantages": advantages, "returns": returns}
         if not self._holds_every_field():
             self.data.put_fields(step, [s.index for s in batch.samples], **out)
@@ -282,12 +290,47 @@ class TrainerWorker(MegatronRank):
         with native_device_ops():  # plain host tensors: no CUDA-to-CPU rewriting needed (a Python hop per op)
             inputs = [{"tokens": torch.tensor(s.prompt_tokens + s.response_tokens, dtype=torch.long),
                        "response_length": len(s.response_tokens)} for s in mine]
+        if self._holds_every_field() and inputs:
+            # Nothing reads the rows before this rank's advantages: the pass runs on a thread beside the actor's
+            # forward stage, which comes next and waits for it (`_reference_done`). Both passes are mostly
+            # kernels that release the GIL, so on CPU each takes a core (the engines idle while a synchronous
+            # step trains); the rows are the same as when run alone.
+            self._reference_pass = (step, t0, BackgroundCall(
+                lambda: self._traced_reference_pass(step, inputs), f"reference log-probs, step {step}"))
+            return {"samples": len(mine), "overlapped": True}
         logprobs = self.reference.compute_logprobs(inputs, self.config.rollout_temperature) if inputs else []
         if not self._holds_every_field():
             self.data.put_fields(step, [s.index for s in mine], ref_logprobs=logprobs)
         if layout.dp == 1:
             self._keep_rows(step, ref_logprobs=logprobs)
         return {"samples": len(mine), "seconds": time.perf_counter() - t0}
+
+    def _traced_reference_pass(self, step: int, inputs: list[dict[str, Any]]
+                               ) -> tuple[list[torch.Tensor], float, float]:
+        start = time.perf_counter()
+        with timeline.span("reference log-probs (beside the actor forward)", step=step, cat="train"):
+            logprobs = self.reference.compute_logprobs(inputs, self.config.rollout_temperature)
+        return logprobs, start, time.perf_counter()
+
+    def _reference_done(self, step: int, forward_start: float, forward_end: float,
+                        failing: bool = False) -> dict[str, float]:
+        """Wait for step `step`'s reference pass started by `reference_logprobs` (if it runs beside this stage);
+        its rows are kept for the advantages and the update. Returns perf/ref_logprob_time (from the stage's call
+        to the pass's end) and perf/ref_overlap_time (how long the pass and the actor's forward pass ran at once).
+        `failing`: the forward stage raised; the pass is waited for and its result or error dropped."""
+        if self._reference_pass is None:
+            return {}
+        (pass_step, called, call), self._reference_pass = self._reference_pass, None
+        if failing:
+            with contextlib.suppress(BaseException):
+                call.result()
+            return {}
+        logprobs, start, end = call.result()
+        if pass_step != step:  # a forward stage of another step: never the case in either loop
+            raise RuntimeError(f"step {step}: a reference pass of step {pass_step} was still running")
+        self._keep_rows(step, ref_logprobs=logprobs)
+        return {"perf/ref_logprob_time": end - called,
+                "perf/ref_overlap_time": max(0.0, min(end, forward_end) - max(start, forward_start))}
 
     def refresh_reference(self, step: int, targets: list[Any]) -> dict[str, float]:
         """--ref-update-interval: copy this rank's weights into its reference peer (after the step's update)."""

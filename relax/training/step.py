@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from relax.backends.megatron.cpu_compat import native_device_ops
 from relax.backends.megatron.routing_replay import rollout_routes_to_stage
 from relax.data.balance import dp_shares, strided_shares, token_spread
 from relax.data.routes import decode_routes, routes_rows
@@ -90,10 +91,11 @@ def forward_stage(trainer, samples: Sequence[Sample], config: Any, step: int = 0
         raise RuntimeError(f"step {step}: no samples in the data plane")
     received = len(samples)
     custom_data = bool(config.custom_convert_samples_to_train_data_path or config.custom_reward_post_process_path)
-    samples, raw_rewards, rewards, given_advantages = train_samples(samples, config, step)
+    with native_device_ops():  # host tensors of every sample: no CUDA-to-CPU rewriting (a Python hop per op)
+        samples, raw_rewards, rewards, given_advantages = train_samples(samples, config, step)
+        base = trainer_inputs(samples, [0.0] * len(samples))
     gbs = config.global_batch_size or len(samples)
     num_updates = max(1, len(samples) // gbs)
-    base = trainer_inputs(samples, [0.0] * len(samples))
     routes = rollout_replay_routes(trainer, samples, config, step)
     if routes is not None:  # R3: the old log-probs too are computed with the engine's routing
         for x, r in zip(base, routes):
