@@ -187,7 +187,7 @@ class TrainerWorker(MegatronRank):
         self._batches = {step: batch}  # a step's batch replaces the last one: one step in flight per rank
         if olds is not None:  # every rank computed all of them
             self._keep_rows(step, old_logprobs=olds)
-        return {"perf/old_logprob_time": time.perf_counter() - t0}
+        return {"perf/old_logprob_time": time.perf_counter() - t0, **reference}
 
     @timeline.traced("actor advantages", cat="train")
     def advantages(self, step: int) -> dict[str, float]:
