@@ -1,0 +1,196 @@
+"""Throughput of synchronous and fully-async training, side by side with a plain single-process loop (issue 10).
+
+    .venv/bin/python benchmarks/async_bench.py                          # embedded default, 12 steps each
+    .venv/bin/python benchmarks/async_bench.py --steps 8 --skip-loop
+    .venv/bin/python benchmarks/async_bench.py --model runs/smollm2/model --data F.jsonl --steps 6 \\
+        --extra --input-key prompt --label-key label --rollout-batch-size 8 ...   # SmolLM2-135M (flags on every run)
+
+One invocation runs, one after the other on the same task, model and batch settings (the embedded default's, or
+the given model and data with --extra flags):
+
+  sync          relax-train as configured (the synchronous loop)
+  async S=1     the same with --fully-async --max-staleness 1
+  async S=2     the same with --fully-async --max-staleness 2
+  plain loop    benchmarks/plain_loop_bench.py's single-process loop (transformers generate + the same update,
+                no Ray); embedded default only, since it reads the run's settings from the preset
+
+For each: samples/s and s/step in the steady state (from the moment step `--warmup - 1` is logged to the last
+step's record, timed by polling metrics.jsonl), the fraction of that wall time in which a rollout and a training
+stage ran at once (async: from the steps' async/rollout_* and async/train_* times; sync: 0 by construction),
+each role's CPU utilisation over the same window (CPU seconds of its processes / wall seconds: 1.0 is one core
+busy; from psutil over the run's process tree), and the reward over the last three steps (every mode trains on
+the same number of samples).
+
+Machines are shared and noisy: read the ratios, printed at the end, and quote them with `uptime`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).parent))
+from plain_loop_bench import run_loop  # noqa: E402  (the same loop issue 18's comparison uses)
+
+MODES = {"sync": [], "async S=1": ["--fully-async", "--max-staleness", "1"],
+         "async S=2": ["--fully-async", "--max-staleness", "2"]}
+
+
+def _role(proc: psutil.Process) -> str:
+    """Which role a process of the run's tree is (Ray names an actor's process `ray::Class.method`)."""
+    try:
+        cmd = proc.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return "gone"
+    head = cmd[0] if cmd else ""
+    if head.startswith("ray::"):
+        name = head[5:].split(".")[0]
+        return "idle worker" if name == "IDLE" else name
+    text = " ".join(cmd)
+    for key, name in (("embedded", "engine server"), ("sglang_router", "router"), ("sglang", "sglang"),
+                      ("raylet", "ray"), ("gcs_server", "ray"), ("dashboard", "ray"), ("log_monitor", "ray"),
+                      ("relax.entrypoints.train", "controller")):
+        if key in text:
+            return name
+    return "other"
+
+
+def _cpu_by_role(root: int) -> dict[str, float]:
+    try:
+        procs = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return {}
+    out: dict[str, float] = {}
+    for p in procs:
+        try:
+            t = p.cpu_times()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        role = _role(p)
+        out[role] = out.get(role, 0.0) + t.user + t.system
+    return out
+
+
+def run_mode(name: str, flags: list[str], steps: int, warmup: int, out: Path) -> dict:
+    """One relax-train run; its steady-state figures."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "relax.entrypoints.train", "--output-dir", str(out / "run"), "--num-rollout",
+           str(steps), *flags]
+    metrics = out / "run" / "metrics.jsonl"
+    seen, marks = 0, []  # (wall time a record appeared, CPU seconds by role then)
+    print(f"{name}: {' '.join(cmd[3:])}", flush=True)
+    with open(out / "log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        while proc.poll() is None:
+            lines = metrics.read_text().count("\n") if metrics.is_file() else 0
+            if lines > seen:
+                seen = lines
+                marks.append((time.time(), lines, _cpu_by_role(proc.pid)))
+            time.sleep(0.05)
+    if proc.returncode != 0:
+        print(f"  failed ({proc.returncode}); log: {out / 'log'}\n{(out / 'log').read_text()[-1500:]}", file=sys.stderr)
+        return {}
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    rows = [r for r in rows if "perf/step_time" in r]
+    start = next((m for m in marks if m[1] >= warmup), None)
+    end = marks[-1]
+    if start is None or end[1] <= start[1]:
+        print("  too few steps for a steady state: raise --steps", file=sys.stderr)
+        return {}
+    wall = end[0] - start[0]
+    counted = rows[start[1]:end[1]]
+    samples = sum(r.get("samples/trained", r.get("rollout/num_samples", 0.0)) for r in counted)
+    util = {role: (end[2].get(role, 0.0) - start[2].get(role, 0.0)) / wall for role in end[2]}
+    return {"samples_per_s": samples / wall, "s_per_step": wall / len(counted), "overlap": _overlap(counted),
+            "util": {k: v for k, v in sorted(util.items(), key=lambda kv: -kv[1]) if v >= 0.02},
+            "reward": statistics.fmean(r["rollout/reward_mean"] for r in rows[-3:]),
+            "staleness_max": max((r.get("async/staleness_max", 0.0) for r in counted), default=0.0)}
+
+
+def _overlap(rows: list[dict]) -> float:
+    """Fraction of the steps' span in which some rollout interval and some training interval overlap."""
+    rollouts = [(r["async/rollout_start"], r["async/rollout_end"]) for r in rows if "async/rollout_start" in r]
+    trains = [(r["async/train_start"], r["async/train_end"]) for r in rows if "async/train_start" in r]
+    if not rollouts or not trains:
+        return 0.0
+    both = 0.0
+    for a0, a1 in rollouts:
+        for b0, b1 in trains:
+            both += max(0.0, min(a1, b1) - max(a0, b0))
+    span = max(e for _, e in rollouts + trains) - min(s for s, _ in rollouts + trains)
+    return both / span if span > 0 else 0.0
+
+
+def run_plain_loop(steps: int, warmup: int, extra: list[str], out: Path) -> dict:
+    from relax.config import parse_config
+    from relax.config.env import threads_per_process
+
+    config = parse_config(["--output-dir", str(out / "loop"), *extra])
+    threads = threads_per_process(config.resource["actor"][0] * config.resource["actor"][1])
+    print(f"plain loop: {threads} torch thread(s)", flush=True)
+    t0 = time.time()
+    cpu0 = psutil.Process().cpu_times()
+    recs = run_loop(config, steps, threads)
+    counted = recs[warmup:] or recs
+    wall = sum(r["step_time"] for r in counted)
+    cpu1 = psutil.Process().cpu_times()
+    samples = config.rollout_batch_size * config.n_samples_per_prompt
+    return {"samples_per_s": samples * len(counted) / wall, "s_per_step": wall / len(counted), "overlap": 0.0,
+            "util": {"loop process": (cpu1.user + cpu1.system - cpu0.user - cpu0.system) / (time.time() - t0)},
+            "reward": statistics.fmean(r["reward"] for r in recs[-3:]), "staleness_max": 0.0}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=3, help="steps left out before the steady state starts")
+    p.add_argument("--model", default=None, help="--hf-checkpoint for every run (default: the embedded default)")
+    p.add_argument("--data", default=None, help="--prompt-data for every run (with --model)")
+    p.add_argument("--skip-loop", action="store_true")
+    p.add_argument("--only", nargs="*", default=None, help=f"modes to run, of {list(MODES)}")
+    p.add_argument("--keep", default=None, help="keep the run folders here")
+    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more relax-train flags (every run)")
+    args = p.parse_args()
+    extra = list(args.extra)
+    if args.model:
+        extra = ["--hf-checkpoint", args.model, *(["--prompt-data", args.data] if args.data else []), *extra]
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(args.keep or tmp)
+        for name, flags in MODES.items():
+            if args.only is None or name in args.only:
+                print(f"uptime: {os.popen('uptime').read().strip()}")
+                results[name] = run_mode(name, [*extra, *flags], args.steps, args.warmup,
+                                         root / name.replace(" ", "_").replace("=", ""))
+        if not args.skip_loop and not args.model:
+            print(f"uptime: {os.popen('uptime').read().strip()}")
+            results["plain loop"] = run_plain_loop(args.steps, args.warmup, extra, root)
+    print(f"uptime: {os.popen('uptime').read().strip()}\n")
+    print(f"{'mode':<12}{'samples/s':>11}{'s/step':>9}{'overlap':>9}{'stale max':>10}{'reward':>8}  CPU utilisation")
+    for name, r in results.items():
+        if not r:
+            print(f"{name:<12}  (failed)")
+            continue
+        util = ", ".join(f"{k} {v:.2f}" for k, v in r["util"].items())
+        print(f"{name:<12}{r['samples_per_s']:>11.1f}{r['s_per_step']:>9.3f}{r['overlap']:>9.2f}"
+              f"{r['staleness_max']:>10.0f}{r['reward']:>8.3f}  {util}")
+    base = results.get("sync") or {}
+    for name, r in results.items():
+        if r and base and name != "sync":
+            print(f"{name} / sync samples/s: {r['samples_per_s'] / base['samples_per_s']:.2f}")
+    if base and results.get("plain loop"):
+        print(f"sync / plain loop samples/s: {base['samples_per_s'] / results['plain loop']['samples_per_s']:.2f}")
+    return 0 if all(results.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
