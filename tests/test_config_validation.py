@@ -145,11 +145,11 @@ def test_sglang_server_flags_are_honoured_with_sglang_engines():
 
 
 def test_unsupported_flags_stop_a_real_run_before_ray():
-    proc = relax_cli("--num-iters-per-train-update", "2", "--output-dir", "/tmp/relax-test-cfg")
+    proc = relax_cli("--train-memory-margin-bytes", "3", "--output-dir", "/tmp/relax-test-cfg")
     assert proc.returncode == 2
-    assert "not supported yet: --num-iters-per-train-update" in proc.stderr
-    proc = relax_cli("--num-iters-per-train-update", "2", "--dry-run", "--output-dir", "/tmp/relax-test-cfg")
-    assert proc.returncode == 0 and "--num-iters-per-train-update" in proc.stdout.splitlines()[-1]
+    assert "not supported yet: --train-memory-margin-bytes" in proc.stderr
+    proc = relax_cli("--train-memory-margin-bytes", "3", "--dry-run", "--output-dir", "/tmp/relax-test-cfg")
+    assert proc.returncode == 0 and "--train-memory-margin-bytes" in proc.stdout.splitlines()[-1]
 
 
 def test_num_epoch_counts_usable_rows_as_training_reads_them(tmp_path):

@@ -129,7 +129,7 @@ def test_foreign_flags_are_used():
 
 def test_the_check_catches_wrong_flags_and_wrong_support_claims(options, implemented):
     refused = next(opt for opt, dest in options.items()
-                   if opt.startswith("--") and dest not in implemented and dest == "num_iters_per_train_update")
+                   if opt.startswith("--") and dest not in implemented and dest == "train_memory_margin_bytes")
     text = f"Run with `--num-rollout 3`.\n\nAlso `--num-rolout 3`.\n\nUse `{refused}` for speed.\n\n" \
            f"- `{refused}` is being built.\n- `--num-rollout` is not supported yet.\n"
     problems = flag_problems("x.md", text, options, implemented, guide=True)

@@ -1,5 +1,7 @@
 """Parse-time rules of --fully-async (relax.config.validate): --balance-data is accepted with a warning that
-says what it does there; --colocate is refused naming both flags; --max-staleness needs --fully-async."""
+says what it does there; --colocate is refused naming both flags; --max-staleness needs --fully-async;
+--num-iters-per-train-update K > 1 (relax.config.rules_streaming) is accepted where a chunked step is exactly
+the unchunked update and refused otherwise, naming the flags and why."""
 
 import logging
 import os
@@ -28,9 +30,44 @@ def test_colocate_is_refused():
         parse_config(BASE + ["--fully-async", "--colocate"])
 
 
-def test_streaming_chunks_stay_refused():
-    config = parse_config(BASE + ["--fully-async", "--num-iters-per-train-update", "2"])
-    assert [f for f in unsupported_flags(config)] == ["--num-iters-per-train-update"]
+CHUNKS = ["--num-iters-per-train-update", "2"]
+# a model and prompts of the user's (the embedded default preset trains with a KL loss): 4 prompts x 2 samples,
+# one optimizer step per rollout step
+STEP = ["--hf-checkpoint", "/tmp/relax-test-cfg/model", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+        "--num-rollout", "2", "--fully-async"]
+
+
+@pytest.fixture
+def streaming(prompt_file):
+    return BASE + STEP + ["--prompt-data", prompt_file] + CHUNKS
+
+
+def test_streaming_chunks_are_accepted_where_exact(streaming):
+    config = parse_config(streaming)
+    assert config.num_iters_per_train_update == 2 and config.global_batch_size == 8
+    assert unsupported_flags(config) == []
+    assert parse_config(BASE).num_iters_per_train_update == 1  # the unchunked step by default
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--num-iters-per-train-update", "3"], r"--num-iters-per-train-update 3 must divide --rollout-batch-size \(4\)"),
+    (["--num-steps-per-rollout", "2"], r"needs one optimizer step per rollout step \(--num-steps-per-rollout 1.*"
+                                       "old log-probs would be computed after an optimizer step"),
+    (["--use-kl-loss"], "cannot be combined with --use-kl-loss: the reference model's log-probs"),
+    (["--advantage-estimator", "ppo"], "cannot be combined with --advantage-estimator ppo"),
+    (["--normalize-advantages"], "cannot be combined with --normalize-advantages: whitening"),
+    (["--over-sampling-batch-size", "8"], "cannot be combined with --over-sampling-batch-size"),
+    (["--n-samples-per-prompt", "1", "--micro-batch-size", "1", "--resource", '{"actor": [1, 4], "rollout": [1, 1]}'],
+     "a chunk of 2 samples .* fewer samples than the 4 data-parallel trainer ranks"),
+])
+def test_streaming_chunks_refused_outside_the_exact_slice(streaming, extra, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(streaming + extra)
+
+
+def test_streaming_chunks_need_fully_async(streaming):
+    with pytest.raises(ConfigError, match="--num-iters-per-train-update 2 needs --fully-async"):
+        parse_config([a for a in streaming if a != "--fully-async"])
 
 
 def test_fully_async_launch_example_no_longer_lists_its_async_flags(tmp_path):

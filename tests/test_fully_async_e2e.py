@@ -4,6 +4,8 @@
   (its records kept in tests/data);
 * --max-staleness 1: every sample index is trained exactly once, staleness never exceeds 1, and the rollout
   of step N+1 runs while step N trains (wall-clock stamps); the same run's checkpoint resumes (below);
+* --num-iters-per-train-update 2 (streaming chunks): the unchunked step's loss and grad_norm, each index trained
+  once, training of the first chunk started before the step's rollout ended;
 * a rollout that fails while a step trains stops the loop with the stage named and gives every resource back;
 * SIGINT while the rollout hangs beside training stops the run promptly and leaves no process;
 * a checkpoint of an async run resumes with the rollout position of the saved step: the resumed run trains
@@ -107,6 +109,28 @@ def test_staleness_one_overlaps_trains_each_sample_once_and_resumes(tmp_path):
     assert _check_indexes(resumed, first_index=2 * 8) == 4 * 8
     # the same prompts as the interrupted run's steps 2 and 3 (rewards are random: compare the prompt groups)
     assert [r["rollout/num_groups"] for r in resumed] == [r["rollout/num_groups"] for r in records[2:]]
+
+
+def test_streaming_chunks_give_the_unchunked_update(tmp_path):
+    """--num-iters-per-train-update 2 (relax.core.streaming): each step arrives in 2 chunks of whole prompt
+    groups and the trainer starts on the first while the rollout generates the second. Step 0 (same seed, same
+    weights, same samples) gives the unchunked step's loss and grad_norm to float32 round-off; every sample
+    index is trained once; training began before the step's rollout ended."""
+    base = ("--num-rollout", "2", "--fully-async", "--max-staleness", "0", "--rollout-batch-size", "4",
+            "--global-batch-size", "16")
+    whole = run_steps(_config(tmp_path, "k1", *base))
+    chunked = run_steps(_config(tmp_path, "k2", *base, "--num-iters-per-train-update", "2"))
+    assert [r["step"] for r in chunked] == [0, 1]
+    assert whole[0]["rollout/reward_mean"] == chunked[0]["rollout/reward_mean"]  # the same samples
+    # group-relative advantages at ratio 1 make the loss ~0 (round-off): compared absolutely
+    assert chunked[0]["train/loss"] == pytest.approx(whole[0]["train/loss"], rel=1e-5, abs=1e-7)
+    assert chunked[0]["train/grad_norm"] == pytest.approx(whole[0]["train/grad_norm"], rel=1e-5)
+    assert whole[0]["train/grad_norm"] > 0
+    assert _check_indexes(chunked) == 2 * 16
+    assert all(r["samples/trained"] == 16 and r["async/num_chunks"] == 2 and r["train/num_chunks"] == 2
+               for r in chunked)
+    assert all(r["async/first_chunk_train_start"] < r["async/rollout_end"] for r in chunked), \
+        [(r["async/first_chunk_train_start"], r["async/rollout_end"]) for r in chunked]
 
 
 def rollout_failing_at_step_2(ctx, step):

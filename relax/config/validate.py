@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
-from relax.config import rules_arch, rules_recompute, rules_rollout, rules_training
+from relax.config import rules_arch, rules_recompute, rules_rollout, rules_streaming, rules_training
 from relax.config.errors import ConfigError
 from relax.config.presets import apply_embedded_default
 from relax.config.sglang import owned_flag_error, resolve_backend
@@ -487,4 +487,8 @@ def check_batch_arithmetic(v: dict, explicit) -> None:
                           f"({v['rollout_num_gpus_per_engine']})")
 
 
-POST_DERIVE_RULES = (check_batch_arithmetic,)
+def check_streaming_chunks(v: dict, explicit) -> None:
+    rules_streaming.check(v, derived_facts(v)["data_parallel_size"])
+
+
+POST_DERIVE_RULES = (check_batch_arithmetic, check_streaming_chunks)

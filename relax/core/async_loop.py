@@ -38,6 +38,11 @@ bounded calls; a rollout failure as "rollout generate, step N"), the window stop
 stops waiting for its running call (the controller's shutdown kills the actors; the call's ref is in
 `Controller._in_flight_async`, so the shutdown does not queue behind it).
 
+Streaming chunks (--num-iters-per-train-update K > 1, relax.core.streaming): the rollout thread generates each
+step in K chunks and hands each to the training thread as it is stored; the training thread starts step N as
+soon as the window lets it (`run_window(..., streaming=True)`), trains each chunk as it arrives (gradients
+accumulated, one optimizer step after the last) and then waits for the step's rollout result as above.
+
 Colocation (--colocate) is refused with --fully-async by config validation: engines and trainer ranks that
 share devices cannot run at the same time.
 """
@@ -56,6 +61,7 @@ from relax.backends.engine_client import EngineClient
 from relax.core.calls import POLL_S, run_bounded
 from relax.core.checkpointing import save_checkpoint
 from relax.core.deadlines import FLAGS, Call, RoleFailure
+from relax.core.streaming import train_chunks
 from relax.observability import timeline
 from relax.observability.accounting import step_problems
 
@@ -77,6 +83,7 @@ class StalenessWindow:
         self._oldest = start  # the oldest unconsumed step
         self._next = start  # the next step the rollout starts
         self._finished: dict[int, Any] = {}
+        self._chunks: dict[tuple[int, int], Any] = {}  # (step, chunk) -> a stored chunk (--num-iters-per-train-update)
         self._error: BaseException | None = None
         self._stopping = False
 
@@ -125,6 +132,22 @@ class StalenessWindow:
                 self._cond.wait(POLL_S)
             return self._finished.pop(step)
 
+    def chunk_finished(self, step: int, chunk: int, result: Any) -> None:
+        with self._cond:
+            self._chunks[(step, chunk)] = result
+            self._cond.notify_all()
+
+    def wait_chunk(self, step: int, chunk: int) -> Any:
+        """Chunk `chunk` of step `step` once the rollout stored it; raises the rollout's error."""
+        with self._cond:
+            while (step, chunk) not in self._chunks:
+                if self._error is not None:
+                    raise self._error
+                if self._stopping:
+                    raise RuntimeError("the async loop stopped")
+                self._cond.wait(POLL_S)
+            return self._chunks.pop((step, chunk))
+
     def queue_depth(self) -> int:
         """Rollout steps started beyond the oldest unconsumed one."""
         with self._cond:
@@ -148,10 +171,12 @@ class _Stopped(Exception):
 
 
 def run_window(window: StalenessWindow, generate: Callable[[int], Any], train: Callable[[int, Any], None],
-               *, join_s: float = 5.0) -> None:
+               *, join_s: float = 5.0, streaming: bool = False) -> None:
     """Drive the window: a rollout thread calls `generate(step)` in step order within the bound, the caller's
     thread calls `train(step, result)` for each step in order and then marks it consumed. An error of either
-    side stops both and is raised here (`generate` should poll `window.stopping` while it waits)."""
+    side stops both and is raised here (`generate` should poll `window.stopping` while it waits).
+    `streaming`: `train(step, None)` is called as soon as the step may train, before its rollout has finished;
+    it waits for the step's chunks (`wait_chunk`) and result (`wait_finished`) itself."""
 
     def feed() -> None:
         try:
@@ -168,8 +193,7 @@ def run_window(window: StalenessWindow, generate: Callable[[int], Any], train: C
     thread.start()
     try:
         for step in range(window.start, window.stop):
-            result = window.wait_finished(step)
-            train(step, result)
+            train(step, None if streaming else window.wait_finished(step))
             window.consumed(step)
     finally:
         window.stop_all()
@@ -205,22 +229,25 @@ class AsyncLoop:
         self.c = controller.config
         self.window = StalenessWindow(controller.start_step, self.c.num_rollout, int(self.c.max_staleness))
         self._ckpt = _CheckpointView(controller)
+        self.chunks = int(self.c.num_iters_per_train_update or 1)  # > 1: each step streams in chunks
 
     # ------------------------------------------------------------------ the rollout thread
     def generate(self, step: int) -> dict[str, Any]:
         ctl = self.ctl
         start = time.time()
-        ref = ctl.rollout.generate.remote(step)
-        ctl._in_flight_async = [(ctl.rollout, ref)]
         call = Call("rollout", "generate", step=step)
-        while not ray.wait([ref], timeout=POLL_S)[0]:
-            if self.window.stopping:  # the call stays in _in_flight_async: the shutdown does not wait behind it
-                raise _Stopped()
-        ctl._in_flight_async = []
         try:
-            metrics = ray.get(ref)
+            if self.chunks == 1:
+                metrics = self._rollout_call(ctl.rollout.generate.remote(step))
+            else:  # each chunk stored goes to the training thread at once (relax.core.streaming)
+                for chunk in range(self.chunks):
+                    out = self._rollout_call(ctl.rollout.generate.remote(step, chunk, self.chunks))
+                    self.window.chunk_finished(step, chunk, {"indexes": out["indexes"], "end": time.time()})
+                metrics = out["metrics"]
             # the position after this step, before the next one starts: what a checkpoint after it holds
             state = ray.get(ctl.rollout.state_dict.remote()) if self.c.save else None
+        except _Stopped:
+            raise
         except Exception as exc:
             failure = RoleFailure(call, exc)
             if "GenerationError" in str(failure):
@@ -230,16 +257,31 @@ class AsyncLoop:
         timeline.record("rollout", start, end, step=step, cat="rollout")
         return {"metrics": metrics, "state": state, "start": start, "end": end}
 
+    def _rollout_call(self, ref: Any) -> Any:
+        """The rollout role's call `ref`, waited for in short slices while the window runs."""
+        ctl = self.ctl
+        ctl._in_flight_async = [(ctl.rollout, ref)]
+        while not ray.wait([ref], timeout=POLL_S)[0]:
+            if self.window.stopping:  # the call stays in _in_flight_async: the shutdown does not wait behind it
+                raise _Stopped()
+        ctl._in_flight_async = []
+        return ray.get(ref)
+
     # ------------------------------------------------------------------ the training thread
-    def train(self, step: int, rollout: dict[str, Any]) -> None:
+    def train(self, step: int, rollout: dict[str, Any] | None) -> None:
         ctl, c = self.ctl, self.c
         t0 = time.perf_counter()
         train_start = time.time()
+        trained: dict[str, float] = {}
+        if self.chunks > 1:  # rollout None: the step streams (run_window's `streaming`)
+            trained = train_chunks(ctl, self.window, step, self.chunks)
+            rollout = self.window.wait_finished(step)
         metrics = dict(rollout["metrics"])
         metrics["data/step_samples"] = float(ctl._data_call("count the step's samples", step, ctl.data.size))
         metrics.update(ctl._data_call("read the step's weight versions", step, self._version_metrics))
         will_sync = (step + 1) % c.update_weights_interval == 0 and not (c.debug_rollout_only or c.debug_train_only)
-        if not c.debug_rollout_only:
+        metrics.update(trained)
+        if not c.debug_rollout_only and self.chunks == 1:
             for stage in train_stages(ctl.stages):
                 with timeline.span(stage.__name__, step=step, cat="train"):
                     metrics.update(stage(step))
@@ -327,7 +369,7 @@ class AsyncLoop:
             before = ctl._rollout_call("evaluate", "evaluation", ctl.start_step, ctl.start_step)
             ctl.metrics.log(ctl.start_step, {**before, "eval/before_train": 1.0})
         logger.info("fully-async: rollout up to %d step(s) ahead of training", c.max_staleness)
-        run_window(self.window, self.generate, self.train)
+        run_window(self.window, self.generate, self.train, streaming=self.chunks > 1)
         if ctl.accounting.steps:
             logger.info("%s (%s)", ctl.accounting.summary_line(), ctl.accounting.write(c.output_dir))
 

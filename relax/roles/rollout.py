@@ -30,6 +30,7 @@ from transformers import AutoTokenizer
 from relax.backends.relax_router.process import router_from_config
 from relax.backends.sglang.router import RouterProcess
 from relax.config.autoscaler import load_autoscaler_config
+from relax.config.config import Config
 from relax.core.health import start_heartbeat
 from relax.core.placement import cluster_has_gpus, create_placement_group, engine_bundle
 from relax.data.plane import DataPlane
@@ -151,6 +152,7 @@ class RolloutManager:
         self.genrm: GenRMService | None = None  # --genrm-model-path: the judge's own engines and router
         self.backend: str | None = None  # the engines' backend; None for external engines
         self.next_index = 0
+        self._chunks: dict[str, Any] | None = None  # the step being generated in chunks (`_generate_chunk`)
         self._events_seen = 0  # pool events already reported in a step's metrics
         # test-only (relax.rollout.fault_injection): faults armed for later steps, each fired once
         self.faults: list[EngineFault] = [f for f in [fault_from_env()] if f is not None]
@@ -306,9 +308,9 @@ class RolloutManager:
         return self.genrm.router.url if self.genrm is not None and self.genrm.router is not None else None
 
     # ------------------------------------------------------------------ one step
-    def _context(self, progress: Any = None) -> Any:
+    def _context(self, progress: Any = None, config: Any = None) -> Any:
         urls = self.get_engine_urls()
-        return RolloutContext(args=self.config, tokenizer=self.tokenizer, data_source=self.source,
+        return RolloutContext(args=config if config is not None else self.config, tokenizer=self.tokenizer, data_source=self.source,
                               rewards=self.rewards, router_url=self.router.url if self.router else None,
                               engine_urls=urls, progress=progress,
                               max_concurrency=rollout_concurrency(self.config, self.backend, len(urls)),
@@ -317,8 +319,11 @@ class RolloutManager:
                               group_requests=self.backend == "embedded", batch_parts=max(1, len(urls)))
 
     @timeline.traced("generate and reward", cat="rollout")
-    def generate(self, step: int) -> dict[str, float]:
-        """Produce step `step`'s samples (or replay saved ones) and write them into the data plane."""
+    def generate(self, step: int, chunk: int = 0, chunks: int = 1) -> dict[str, Any]:
+        """Produce step `step`'s samples (or replay saved ones) and write them into the data plane. Returns the
+        step's metrics; with `chunks` > 1 (--num-iters-per-train-update) see `_generate_chunk`."""
+        if chunks > 1:
+            return self._generate_chunk(step, chunk, chunks)
         c = self.config
         t0 = time.perf_counter()
         extra: dict[str, float] = {}
@@ -331,16 +336,10 @@ class RolloutManager:
         else:
             self._maybe_inject(step)
             resends = generation.FAILOVER_RESENDS
-            groups, extra = self._rollout(step)
+            groups, extra = self._rollout(step, c)
             if c.use_fault_tolerance:
                 extra["rollout/failover_resends"] = float(generation.FAILOVER_RESENDS - resends)
-            samples = []
-            for g in groups:
-                for s in g:
-                    s.index = self.next_index
-                    s.rollout_step = step
-                    self.next_index += 1
-                    samples.append(s)
+            samples = self._index(step, groups)
         gen_time = time.perf_counter() - t0
         from_rollout = len(samples)
         if self.postprocess is not None:
@@ -352,10 +351,68 @@ class RolloutManager:
             groups = _group(samples)
         if c.save_debug_rollout_data:
             save_rollout_data(c.save_debug_rollout_data, step, samples, run=run_record(c))
+        self._put(step, samples)
+        return self._step_metrics(step, samples, groups, gen_time, extra, from_rollout, t0)
+
+    def _put(self, step: int, samples: list[Any]) -> None:
         t_put = time.perf_counter()
         self._data_plane().put(step, samples)
         self.reporter.report("data", "put", {"data/put_samples": float(len(samples)),
                                              "data/put_time": time.perf_counter() - t_put}, step=step)
+
+    def _index(self, step: int, groups: list[list[Any]]) -> list[Any]:
+        """The step's sample indexes, in group order, continuing the run's count."""
+        samples = []
+        for g in groups:
+            for s in g:
+                s.index = self.next_index
+                s.rollout_step = step
+                self.next_index += 1
+                samples.append(s)
+        return samples
+
+    def _generate_chunk(self, step: int, chunk: int, chunks: int) -> dict[str, Any]:
+        """Chunk `chunk` of `chunks` of step `step` (--num-iters-per-train-update, with --fully-async): the next
+        --rollout-batch-size / chunks prompt groups of the data source, generated, rewarded, indexed (the run's
+        count continues, so the step's indexes are those of an unchunked step) and stored in the step's
+        partition at once, where the trainer reads them while the next chunk generates. Returns {"indexes":
+        the chunk's sample indexes}; the last chunk's adds "metrics", the step's metrics over all its chunks
+        (as an unchunked step's; the rollout function's own metrics, counts, summed over the chunks).
+        Config validation refuses what sees a whole step here (replayed rollouts, the post-process hook)."""
+        c = self.config
+        state = self._chunks
+        if chunk == 0:
+            self._maybe_inject(step)
+            state = self._chunks = {"step": step, "next": 0, "t0": time.perf_counter(), "samples": [],
+                                    "extra": {}, "resends": generation.FAILOVER_RESENDS}
+        if state is None or (state["step"], state["next"]) != (step, chunk):
+            raise RuntimeError(f"rollout chunk {chunk} of step {step} requested out of order")
+        part = Config({**c, "rollout_batch_size": c.rollout_batch_size // chunks}, c.explicit, c.meta, c.derived)
+        groups, extra = self._rollout(step, part)
+        samples = self._index(step, groups)
+        self._put(step, samples)
+        state["samples"].extend(samples)
+        for key, value in extra.items():
+            state["extra"][key] = state["extra"].get(key, 0.0) + value
+        state["next"] = chunk + 1
+        out: dict[str, Any] = {"indexes": [s.index for s in samples]}
+        if chunk + 1 < chunks:
+            return out
+        self._chunks = None
+        extra = state["extra"]
+        if c.use_fault_tolerance:
+            extra["rollout/failover_resends"] = float(generation.FAILOVER_RESENDS - state["resends"])
+        samples = state["samples"]
+        gen_time = time.perf_counter() - state["t0"]
+        if c.save_debug_rollout_data:
+            save_rollout_data(c.save_debug_rollout_data, step, samples, run=run_record(c))
+        out["metrics"] = self._step_metrics(step, samples, _group(samples), gen_time, extra, len(samples),
+                                            state["t0"])
+        return out
+
+    def _step_metrics(self, step: int, samples: list[Any], groups: list[list[Any]], gen_time: float,
+                      extra: dict[str, float], from_rollout: int, t0: float) -> dict[str, float]:
+        c = self.config
         metrics = step_metrics(samples, gen_time)
         metrics.update(group_variance_metrics(samples))  # the collapse monitor reads the zero-variance fraction
         metrics.update(extra)
@@ -384,15 +441,16 @@ class RolloutManager:
         self.reporter.report("rollout", 0, metrics, step=step)
         return metrics
 
-    def _rollout(self, step: int) -> tuple[list[list[Any]], dict[str, float]]:
-        c = self.config
+    def _rollout(self, step: int, c: Any) -> tuple[list[list[Any]], dict[str, float]]:
+        """The rollout function's groups of step `step` under config `c` (the run's, or a chunk's with its
+        --rollout-batch-size)."""
         if self.router is None:
             raise RuntimeError("rollout engines are not started (start_engines) and no "
                                "--load-debug-rollout-data was given")
         bar = tqdm(total=c.rollout_batch_size * c.n_samples_per_prompt, desc=f"rollout {step}", leave=False,
                    mininterval=2.0, disable=not os.environ.get("RELAX_PROGRESS", "1") == "1")
         try:
-            out = self.rollout_fn(self._context(bar), step)
+            out = self.rollout_fn(self._context(bar, c), step)
         finally:
             bar.close()
         groups, extra = (out.groups, dict(out.metrics)) if isinstance(out, RolloutOutput) else (out, {})

@@ -26,6 +26,7 @@ from relax.roles.background import BackgroundCall
 from relax.roles.megatron_rank import MegatronRank
 from relax.rollout.rewards.runner import check_step_rewards, reward_name
 from relax.training.step import advantage_stage, check_rows, forward_stage, update_stage
+from relax.training.streaming import StreamingUpdate
 from relax.weights.sync import push_for_config
 
 logger = logging.getLogger(__name__)
@@ -133,6 +134,7 @@ class TrainerWorker(MegatronRank):
         # the step's samples read by the in-trainer reference stage, for the forward stage that follows
         self._prefetched: dict[int, list[Sample]] = {}
         self.reference = None  # the reference model when `reference_in_trainer`
+        self._streaming: dict[str, Any] | None = None  # the step trained in chunks (`train_chunk`)
         self._reference_pass = None  # (step, start, BackgroundCall) of its pass running beside the forward stage
         # --use-pytorch-profiler sections and --memory-snapshot-num-steps records of this rank
         self.profiling = Profiling.from_config(config, rank)
@@ -215,6 +217,39 @@ class TrainerWorker(MegatronRank):
         self._rows.pop(step, None)
         with self.profiling.section("train_actor", step):
             metrics = update_stage(self.trainer, batch, self.config, **rows)
+        self.profiling.stop("train_overall", step)
+        self.profiling.memory_end()
+        self.reporter.report("trainer", self.rank, metrics, step=step)
+        return metrics
+
+    @timeline.traced("actor chunk", cat="train")
+    def train_chunk(self, step: int, chunk: int, chunks: int, indexes: list[int]) -> dict[str, float] | None:
+        """Chunk `chunk` of `chunks` of step `step` (--num-iters-per-train-update, relax.training.streaming;
+        every rank): its samples (`indexes`, whole prompt groups the rollout stored) read from the step's
+        partition, old log-probs, advantages and the forward and backward passes of this rank's share, the
+        gradients accumulated; the last chunk's call makes the step's optimizer step and returns its metrics."""
+        if chunk == 0:
+            self.profiling.memory_begin()
+            self.profiling.start("train_overall", step)
+            self._streaming = {"update": StreamingUpdate(self.trainer, self.config, step), "next": 0, "failed": 0}
+        state = self._streaming
+        if state is None or state["update"].step != step or state["next"] != chunk:
+            raise RuntimeError(f"step {step}: chunk {chunk} arrived out of order on trainer rank {self.rank}")
+        # the chunk's samples alone: this rank's own reader of the partition takes the lowest unread indexes
+        samples = self.data.get(step, batch_size=len(indexes), task_name=f"stream-rank-{self.rank}",
+                                timeout_s=float(self.config.train_step_timeout or 60))
+        if [s.index for s in samples] != list(indexes):
+            raise RuntimeError(f"step {step}: chunk {chunk} read samples {[s.index for s in samples][:8]}... from "
+                               f"the data plane, the rollout stored {list(indexes)[:8]}...")
+        state["failed"] += check_step_rewards(samples, step, reward_name(self.config))
+        state["next"] = chunk + 1
+        last = chunk + 1 == chunks
+        with self.profiling.section("train_actor", step):
+            metrics = state["update"].add(samples, last=last)
+        if not last:
+            return None
+        self._streaming = None
+        metrics["train/reward_failed_samples"] = float(state["failed"])
         self.profiling.stop("train_overall", step)
         self.profiling.memory_end()
         self.reporter.report("trainer", self.rank, metrics, step=step)

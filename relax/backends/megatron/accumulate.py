@@ -69,6 +69,7 @@ class ChunkedStep:
         if not samples:
             raise RuntimeError("a chunk of the step has no sample for this data-parallel rank (a chunk needs at "
                                "least as many samples as there are data-parallel ranks)")
+        t.model.train()  # a forward-only pass between chunks (the next chunk's old log-probs) may have left eval
         micro_batches = t._micro_batches(samples, t.settings.max_tokens_per_micro_batch)
         dp_group = ps.get_data_parallel_group()
         counts = torch.tensor(_mask_counts([mb.mask for mb in micro_batches]), dtype=torch.float64,

@@ -34,7 +34,13 @@ def add_flags(parser):
     g.add_argument("--polling-mode", type=str2bool, nargs="?", const=True, default=True,
                    help="Consumers poll TransferQueue for ready samples instead of blocking (true/false).")
     g.add_argument("--num-iters-per-train-update", type=int, default=1,
-                   help="Optimizer iterations per global batch in the fully asynchronous pipeline.")
+                   help="With --fully-async: iterations per global batch, i.e. chunks each step streams in. K > 1: "
+                        "the rollout produces the step in K chunks of whole prompt groups and the trainer runs "
+                        "each chunk's old log-probs, advantages and forward/backward passes as it arrives, "
+                        "accumulating gradients, with one optimizer step after the last chunk (the same update "
+                        "as K = 1). Needs --rollout-batch-size divisible by K and one optimizer step per "
+                        "rollout step; refused with a reference, critic or teacher, --normalize-advantages and "
+                        "hooks that see a whole step.")
 
     g = parser.add_argument_group("Training backend and mode")
     g.add_argument("--train-backend", type=str, default="megatron", choices=["megatron"],
