@@ -106,6 +106,42 @@ def test_errors_stop_both_sides():
     assert window.stopping and max(started) <= 3  # nothing started past the bound after the stop
 
 
+def test_streaming_trains_chunks_before_the_step_is_generated():
+    """run_window(streaming=True) (--num-iters-per-train-update): train(step, None) starts as soon as the window
+    lets it, takes each chunk as the rollout stores it, then the step's result; a rollout failure between
+    chunks reaches the training thread while it waits for the next chunk."""
+    log = []
+    window = StalenessWindow(0, 3, 1)
+
+    def generate(step):
+        for chunk in range(2):
+            time.sleep(0.05)
+            log.append(("stored", step, chunk))
+            window.chunk_finished(step, chunk, {"indexes": [step * 10 + chunk]})
+            time.sleep(0.1)  # the next chunk generates while the trainer takes this one
+        log.append(("generated", step))
+        return step
+
+    def train(step, result):
+        assert result is None
+        for chunk in range(2):
+            assert window.wait_chunk(step, chunk) == {"indexes": [step * 10 + chunk]}
+            log.append(("trained", step, chunk))
+        assert window.wait_finished(step) == step
+
+    run_window(window, generate, train, streaming=True)
+    for step in range(3):
+        assert log.index(("trained", step, 0)) < log.index(("generated", step)), log
+
+    def broken(step):
+        window.chunk_finished(step, 0, {"indexes": []})
+        raise ValueError("engine gone after chunk 0")
+
+    window = StalenessWindow(0, 2, 0)
+    with pytest.raises(ValueError, match="after chunk 0"):
+        run_window(window, broken, lambda step, _: [window.wait_chunk(step, c) for c in range(2)], streaming=True)
+
+
 class _FakeClient:
     def __init__(self, url, timeout_s):
         self.base_url = url
@@ -127,7 +163,8 @@ class _FakeController:
     """What AsyncLoop.push_weights uses of the controller."""
 
     def __init__(self, push_fails=False):
-        self.config = SimpleNamespace(update_weight_buffer_size=1, max_staleness=1, num_rollout=3, save=None)
+        self.config = SimpleNamespace(update_weight_buffer_size=1, max_staleness=1, num_rollout=3, save=None,
+                                      num_iters_per_train_update=1)
         self.deadlines = SimpleNamespace(control_s=5.0, train_s=5.0)
         self.start_step, self.workers, self.aux, self.engine_urls = 0, [], None, []
         self.push_fails = push_fails

@@ -131,6 +131,7 @@ def test_streaming_chunks_give_the_unchunked_update(tmp_path):
                for r in chunked)
     assert all(r["async/first_chunk_train_start"] < r["async/rollout_end"] for r in chunked), \
         [(r["async/first_chunk_train_start"], r["async/rollout_end"]) for r in chunked]
+    assert all(r["async/first_chunk_lead_time"] > 0 for r in chunked)
 
 
 def rollout_failing_at_step_2(ctx, step):

@@ -276,6 +276,7 @@ class AsyncLoop:
         if self.chunks > 1:  # rollout None: the step streams (run_window's `streaming`)
             trained = train_chunks(ctl, self.window, step, self.chunks)
             rollout = self.window.wait_finished(step)
+            trained["async/first_chunk_lead_time"] = rollout["end"] - trained["async/first_chunk_train_start"]
         metrics = dict(rollout["metrics"])
         metrics["data/step_samples"] = float(ctl._data_call("count the step's samples", step, ctl.data.size))
         metrics.update(ctl._data_call("read the step's weight versions", step, self._version_metrics))

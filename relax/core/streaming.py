@@ -12,9 +12,9 @@ optimizer step. Training of chunk 0 thus overlaps the generation of chunks 1 .. 
 metrics, weight push, checkpoint and accounting follow as for an unchunked step.
 
 Metrics of each step (besides the trainer's, with `train/num_chunks`): `async/num_chunks`,
-`async/first_chunk_train_start` (wall-clock time the training of chunk 0 started; before `async/rollout_end`
-when training began while the rollout still ran) and `async/chunk_wait_time` (seconds the training thread
-waited for chunks after the first one).
+`async/first_chunk_train_start` (wall-clock time the training of chunk 0 started), `async/first_chunk_lead_time`
+(`async/rollout_end` minus it: positive when training began while the rollout still ran) and
+`async/chunk_wait_time` (seconds the training thread waited for chunks after the first one).
 """
 
 from __future__ import annotations
