@@ -122,6 +122,8 @@ def test_streaming_chunks_give_the_unchunked_update(tmp_path):
     chunked = run_steps(_config(tmp_path, "k2", *base, "--num-iters-per-train-update", "2"))
     assert [r["step"] for r in chunked] == [0, 1]
     assert whole[0]["rollout/reward_mean"] == chunked[0]["rollout/reward_mean"]  # the same samples
+    for key in ("rollout/generated_groups", "samples/generated", "rollout/returned_groups"):  # and no more
+        assert [r[key] for r in chunked] == [r[key] for r in whole], key
     # group-relative advantages at ratio 1 make the loss ~0 (round-off): compared absolutely
     assert chunked[0]["train/loss"] == pytest.approx(whole[0]["train/loss"], rel=1e-5, abs=1e-7)
     assert chunked[0]["train/grad_norm"] == pytest.approx(whole[0]["train/grad_norm"], rel=1e-5)

@@ -387,7 +387,11 @@ class RolloutManager:
                                     "extra": {}, "resends": generation.FAILOVER_RESENDS}
         if state is None or (state["step"], state["next"]) != (step, chunk):
             raise RuntimeError(f"rollout chunk {chunk} of step {step} requested out of order")
-        part = Config({**c, "rollout_batch_size": c.rollout_batch_size // chunks}, c.explicit, c.meta, c.derived)
+        # the chunk's share of the step: its groups, drawn from the data source as many at a time (config
+        # validation admits --over-sampling-batch-size only at the step's own batch, i.e. no over-sampling)
+        size = c.rollout_batch_size // chunks
+        part = Config({**c, "rollout_batch_size": size, "over_sampling_batch_size": size}, c.explicit, c.meta,
+                      c.derived)
         groups, extra = self._rollout(step, part)
         samples = self._index(step, groups)
         self._put(step, samples)
