@@ -1,3 +1,7 @@
 """Relax: Ray-actor distributed RL post-training for LLMs."""
 
+from relax.backends.megatron import lazy_jit as _lazy_jit
+
 __version__ = "0.1.0"
+
+_lazy_jit.install()  # Megatron's jit fuser without torch._dynamo at import (see the module)

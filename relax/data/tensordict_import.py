@@ -6,8 +6,8 @@ inductor config): 1-1.5 s of CPU in every process that imports TransferQueue (it
 units, the rollout manager), paid again at every run's start on 2 cores. Both wrappers only mark a function
 for a `torch.compile` trace; eagerly the function runs as it is, and nothing in these processes compiles.
 So while tensordict's package runs its imports they are the identity, and they are restored right after.
-A process that has imported torch._dynamo already (a trainer rank: Megatron imports it) imports tensordict
-unchanged.
+A process that has imported torch._dynamo already imports tensordict unchanged (a trainer rank imports it only
+when it builds its optimizer, after its modules: relax.backends.megatron.lazy_jit).
 
 `install()` arms this for the process's first import of tensordict, whoever makes it: Relax's data-plane
 modules call it before importing tensordict or TransferQueue, and Ray's worker set-up hook
