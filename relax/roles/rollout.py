@@ -377,7 +377,8 @@ class RolloutManager:
         count continues, so the step's indexes are those of an unchunked step) and stored in the step's
         partition at once, where the trainer reads them while the next chunk generates. Returns {"indexes":
         the chunk's sample indexes}; the last chunk's adds "metrics", the step's metrics over all its chunks
-        (as an unchunked step's; the rollout function's own metrics, counts, summed over the chunks).
+        (as an unchunked step's; the rollout function's own metrics, counts, summed over the chunks, so
+        `rollout/sampling_rounds` counts at least one round per chunk).
         Config validation refuses what sees a whole step here (replayed rollouts, the post-process hook)."""
         c = self.config
         state = self._chunks

@@ -227,7 +227,9 @@ class TrainerWorker(MegatronRank):
         """Chunk `chunk` of `chunks` of step `step` (--num-iters-per-train-update, relax.training.streaming;
         every rank): its samples (`indexes`, whole prompt groups the rollout stored) read from the step's
         partition, old log-probs, advantages and the forward and backward passes of this rank's share, the
-        gradients accumulated; the last chunk's call makes the step's optimizer step and returns its metrics."""
+        gradients accumulated; the last chunk's call makes the step's optimizer step and returns its metrics.
+        A chunk whose every reward failed stops the step (`check_step_rewards`, per chunk: its update would
+        learn from those failures alone)."""
         if chunk == 0:
             self.profiling.memory_begin()
             self.profiling.start("train_overall", step)
