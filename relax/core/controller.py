@@ -150,6 +150,9 @@ class Controller:
         # "packed" moves each sample as one record: 3-5x faster than one message part per field.
         self.data = DataPlane.start(c.num_data_storage_units, capacity_samples=capacity,
                                     polling_mode=c.polling_mode, layout="packed")
+        if self.health is not None:  # actors without heartbeats of their own: probed instead
+            self.health.watch_actors({**self.data.actors(), **({"metrics service": self.metrics_service}
+                                                                 if self.metrics_service is not None else {})})
         master_addr, master_port = wait_all([self.workers[0].master_address.remote()],
                                             [Call("trainer", "start", rank=0)],  # the actor's creation, too
                                             deadline_s=self.deadlines.train_s, flag=FLAGS["train"])[0]

@@ -1,6 +1,7 @@
-"""The HealthManager (--use-health-check): heartbeats of every Megatron rank and of the rollout manager, so that a
-hung worker is told apart from a dead one and found within --heartbeat-timeout instead of --train-step-timeout
-(or, for the rollout manager, whose step has no deadline of its own, at all).
+"""The HealthManager (--use-health-check): heartbeats of every Megatron rank and of the rollout manager, and probes
+of the data plane's actors and the metrics service, so that a hung worker is told apart from a dead one and found
+within --heartbeat-timeout instead of --train-step-timeout (or, for the rollout manager, whose step has no
+deadline of its own, at all).
 
 * Worker side: each Megatron rank (trainer, reference, teacher, critic: `relax.roles.megatron_rank.MegatronRank`)
   starts `start_heartbeat(self)` in its constructor, and the rollout manager (`relax.roles.rollout.
@@ -8,6 +9,9 @@ hung worker is told apart from a dead one and found within --heartbeat-timeout i
   thread of its own that sends (role, rank, pid, node) to the run's `HeartbeatBoard` every --heartbeat-interval.
   It runs whatever the worker's main thread is doing, so a worker stuck in a call keeps beating, and a worker
   that stops beating is a stopped (SIGSTOP, frozen) or dead process.
+* Actors without a heartbeat thread of their own (TransferQueue's controller and storage units, the metrics
+  service) are probed by the driver instead (`ActorProbe`): a no-op call every --heartbeat-interval, whose
+  answer counts as their beat; a stopped, dead or stuck one stops answering and is silent like a rank.
 * Board: a small Ray actor (no CPU share) that records when each rank last beat, by its own clock. Its name
   is carried in the config's meta (`health_board`), a new one per attempt of the run, so that a rank of an
   earlier attempt can never be mistaken for one of the current attempt.
@@ -112,6 +116,61 @@ def start_heartbeat(worker: Any, role: Optional[str] = None) -> Optional[threadi
 
 
 # ============================================================================ driver side
+def _whoami(actor: Any) -> tuple[int, str]:
+    return os.getpid(), ray.util.get_node_ip_address()
+
+
+def _answer(actor: Any) -> None:
+    return None
+
+
+class ActorProbe:
+    """Liveness of one actor that sends no heartbeats: a no-op call (`__ray_call__`) at most every interval, one
+    at a time. Its answer is the beat; an actor that is stopped (SIGSTOP) or dead never answers, and one stuck in a
+    call answers late (Ray runs an actor's calls one at a time): either way it falls silent. The actors probed
+    this way (TransferQueue's, the metrics service) serve their work on threads of their own, and answer their
+    Ray calls at once."""
+
+    def __init__(self, name: str, handle: Any):
+        self.name, self.handle = name, handle
+        self.pid: int | None = None
+        self.node = ""
+        self.answered = time.monotonic()  # counted from the start of the watch
+        self._who = handle.__ray_call__.remote(_whoami)
+        self._pending: Any = None
+        self._sent = 0.0
+
+    def poll(self, interval_s: float) -> None:
+        if self._who is not None:
+            ready, _ = ray.wait([self._who], timeout=0)
+            if ready:
+                try:
+                    self.pid, self.node = ray.get(self._who)
+                except Exception:  # dead before its first answer: it stays silent
+                    pass
+                self._who = None
+        if self._pending is not None:
+            ready, _ = ray.wait([self._pending], timeout=0)
+            if not ready:
+                return
+            try:
+                ray.get(self._pending)
+                self.answered = time.monotonic()
+            except Exception:  # dead: no answer counts
+                pass
+            self._pending = None
+        if time.monotonic() - self._sent >= interval_s:
+            self._sent = time.monotonic()
+            self._pending = self.handle.__ray_call__.remote(_answer)
+
+    def entry(self) -> dict[str, Any] | None:
+        """Its board entry (rank None), once its pid is known."""
+        if self.pid is None:
+            return None
+        return {"role": self.name, "rank": None, "pid": self.pid, "node": self.node,
+                "age_s": time.monotonic() - self.answered}
+
+
 def new_board_name() -> str:
     return f"relax-health-{uuid.uuid4().hex[:12]}"
 
@@ -163,6 +222,8 @@ def silent_failure(entry: dict[str, Any], timeout_s: float, here: str, calls: li
 class HealthManager:
     """The driver's view of the attempt's heartbeats (see the module docstring)."""
 
+    probes: list[ActorProbe] | tuple = ()  # actors without heartbeats of their own (`watch_actors`)
+
     def __init__(self, config: Any):
         self.name = config.meta[BOARD_META]
         self.interval_s = float(config.heartbeat_interval)
@@ -173,6 +234,7 @@ class HealthManager:
         self.here = ray.util.get_node_ip_address()
         self.board = HeartbeatBoard.options(name=self.name, lifetime=None).remote()
         self.latest: list[dict[str, Any]] = []
+        self.probes = []
         self.polled_at = 0.0  # monotonic time of the last answer of the board
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, name="relax-health", daemon=True)
@@ -181,6 +243,8 @@ class HealthManager:
     def _poll(self) -> None:
         period = min(self.interval_s, 1.0)
         while not self._stop.is_set():
+            for probe in self.probes:
+                probe.poll(self.interval_s)
             try:
                 self.latest = ray.get(self.board.snapshot.remote(), timeout=max(5.0, self.timeout_s))
                 self.polled_at = time.monotonic()
@@ -190,11 +254,21 @@ class HealthManager:
                 logger.debug("health: board poll failed: %r", exc)
             self._stop.wait(period)
 
+    def watch_actors(self, named: dict[str, Any]) -> None:
+        """Also watch actors that send no heartbeats of their own (TransferQueue's controller and storage units,
+        the metrics service), by name: each answers a no-op call every --heartbeat-interval (`ActorProbe`), and
+        one that has not answered for --heartbeat-timeout is silent, as a rank whose beats stopped."""
+        for name, handle in named.items():
+            self.probes.append(ActorProbe(name, handle))
+
+    def _entries(self) -> list[dict[str, Any]]:
+        """The board's entries (as of its last poll, aged since) and the probed actors' (aged to now)."""
+        board = aged_entries(self.latest, time.monotonic() - self.polled_at) if self.polled_at else []
+        return board + [e for e in (p.entry() for p in self.probes) if e is not None]
+
     def silent(self) -> list[dict[str, Any]]:
-        """The ranks whose last heartbeat is older than --heartbeat-timeout (as of the last poll, aged since)."""
-        if not self.polled_at:
-            return []
-        return silent_entries(self.latest, time.monotonic() - self.polled_at, self.timeout_s)
+        """The workers whose last heartbeat (or probe answer) is older than --heartbeat-timeout."""
+        return [e for e in self._entries() if e["age_s"] > self.timeout_s]
 
     def watch(self, calls: list[Call]) -> None:
         """Raise a `RoleFailure` for the first silent rank (relax.core.calls calls this between wait slices)."""
@@ -206,7 +280,7 @@ class HealthManager:
         """What the heartbeats say of a worker whose call ran past its deadline: still beating means its process
         is alive and the call itself is stuck (hung in the call); silent means stopped or dead."""
         who = worker_name(role, rank)
-        for e in aged_entries(self.latest, time.monotonic() - self.polled_at if self.polled_at else 0.0):
+        for e in self._entries():
             if e["role"] == role and e["rank"] == rank:
                 if e["age_s"] <= self.timeout_s:
                     return f"{who} is alive (last heartbeat {e['age_s']:.1f} s ago): hung in its call"
@@ -217,7 +291,7 @@ class HealthManager:
         """(who, state) of this attempt's ranks on this node whose process is gone or stopped: after a failure
         they name the rank that caused it (a collective's peers fail too when one rank dies)."""
         lost = []
-        for e in self.latest:
+        for e in self._entries():
             state = process_state(e["pid"], e["node"], self.here) if e["node"] == self.here else ""
             if "(dead)" in state or "stopped" in state:
                 lost.append((worker_name(e["role"], e["rank"]), state))

@@ -231,6 +231,20 @@ class DataPlane:
             layout = ours.get("layout", "columns") if ours is not None else "columns"
         return cls(owner=False, partition_prefix=partition_prefix, logprob_dtype=logprob_dtype, layout=layout)
 
+    def actors(self) -> dict[str, Any]:
+        """The owner's TransferQueue actors by name ("data plane controller", "data plane storage unit N"), for
+        the HealthManager to probe (they send no heartbeats of their own). TransferQueue keeps their handles in
+        module globals of the process that started it; an attached handle has none."""
+        if not self._owner:
+            return {}
+        out: dict[str, Any] = {}
+        if _tq_interface._TQ_CONTROLLER is not None:
+            out["data plane controller"] = _tq_interface._TQ_CONTROLLER
+        units = (_tq_interface._TQ_STORAGE or {}).get("SimpleStorage") or {}
+        for i, handle in enumerate(units.values()):
+            out[f"data plane storage unit {i}"] = handle
+        return out
+
     def shutdown(self) -> None:
         """Owner: stop storage units and controller (every attached client becomes unusable).
         Attached: close this process's client (when no other handle in the process uses it).
