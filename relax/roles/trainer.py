@@ -14,6 +14,7 @@ from megatron.core import parallel_state as ps
 
 from relax.backends.megatron.arch import arch_for_run
 from relax.backends.megatron.cpu_compat import native_device_ops
+from relax.backends.megatron.rng_forks import forks_off
 from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
 from relax.config.megatron_options import options_from_config
 from relax.config.support_gpu import GPU_ONLY_REASONS
@@ -345,7 +346,8 @@ class TrainerWorker(MegatronRank):
     def _traced_reference_pass(self, step: int, inputs: list[dict[str, Any]]
                                ) -> tuple[list[torch.Tensor], float, float]:
         start = time.perf_counter()
-        with timeline.span("reference log-probs (beside the actor forward)", step=step, cat="train"):
+        # forks_off: Megatron's RNG tracker is one per process, and the actor's pass on the main thread forks it
+        with timeline.span("reference log-probs (beside the actor forward)", step=step, cat="train"), forks_off():
             logprobs = self.reference.compute_logprobs(inputs, self.config.rollout_temperature)
         return logprobs, start, time.perf_counter()
 
