@@ -310,8 +310,9 @@ class RolloutManager:
     # ------------------------------------------------------------------ one step
     def _context(self, progress: Any = None, config: Any = None) -> Any:
         urls = self.get_engine_urls()
-        return RolloutContext(args=config if config is not None else self.config, tokenizer=self.tokenizer, data_source=self.source,
-                              rewards=self.rewards, router_url=self.router.url if self.router else None,
+        return RolloutContext(args=config if config is not None else self.config, tokenizer=self.tokenizer,
+                              data_source=self.source, rewards=self.rewards,
+                              router_url=self.router.url if self.router else None,
                               engine_urls=urls, progress=progress,
                               max_concurrency=rollout_concurrency(self.config, self.backend, len(urls)),
                               # SGLang gives every copy of an `n` request the same sampling seed (identical
