@@ -68,3 +68,18 @@ def test_entry_points_are_the_same_program():
     b = relax_cli("--help")
     assert a.returncode == 0 and b.returncode == 0
     assert a.stdout.replace("relax-train", "X") == b.stdout.replace("relax-train", "X")
+
+
+@pytest.mark.parametrize("flags, line", [
+    ([], "old-policy log-probs: recomputed by the actor forward pass before the first optimizer step"),
+    (["--num-steps-per-rollout", "1"], "old-policy log-probs: not needed (one optimizer step per rollout"),
+    (["--use-rollout-logprobs"], "old-policy log-probs: the engine's (--use-rollout-logprobs): no actor forward pass"),
+    (["--true-on-policy-mode"], "old-policy log-probs: the engine's; the actor forward pass runs too"),
+])
+def test_dry_run_says_whether_the_actor_forward_pass_runs(tmp_path, flags, line):
+    """The embedded default makes 4 optimizer steps per rollout; the same reading decides the trainer's pass
+    (relax.config.old_policy, used by relax.training.step._old_logprobs)."""
+    from relax.config.explain import explain
+
+    text = explain(parse_config(["--output-dir", str(tmp_path), *flags]))
+    assert line in text, text

@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 
 from relax.config.config import Config
+from relax.config.old_policy import old_policy_source
 from relax.config.redact import redact_values
 from relax.config.support import IMPLEMENTED, no_effect_dest, no_effect_flags, no_effect_warnings, unsupported_flags
 from relax.config.support_megatron import refused_groups
@@ -69,6 +70,7 @@ def batch_arithmetic(config: Config) -> list[str]:
             accum = gbs // (c.micro_batch_size * dp) if c.micro_batch_size * dp else 0
             lines.append(f"  micro batch {c.micro_batch_size} per worker x {dp} data-parallel x "
                          f"{accum} accumulation steps = {gbs}")
+        lines.append(f"old-policy log-probs: {old_policy_source(c, max(1, steps)).describe()}")
     per_engine = f"{c.rollout_backend}, each on {c.rollout_num_gpus_per_engine} device(s)"
     kind = "external" if c.rollout_external else per_engine
     lines.append(f"rollout engines: {c.num_engines} ({kind}), behind one router")

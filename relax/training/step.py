@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from relax.backends.megatron.cpu_compat import native_device_ops
 from relax.backends.megatron.routing_replay import rollout_routes_to_stage
+from relax.config.old_policy import old_policy_source
 from relax.data.balance import dp_shares, strided_shares, token_spread
 from relax.data.routes import decode_routes, routes_rows
 from relax.data.sample import Sample
@@ -299,20 +300,18 @@ def _old_logprobs(trainer, base: Sequence[dict[str, Any]], config: Any, num_upda
     if keep_old and not trainer.has_kept_weights("old_actor"):
         raise RuntimeError(f"step {step}: --keep-old-actor: no copy of the rollout policy's weights was kept")
     weights = "old_actor" if keep_old else None
-    engine = bool(config.use_rollout_logprobs or config.true_on_policy_mode)
-    wanted = (num_updates > 1 or bool(config.kl_coef) or bool(config.use_opd) or keep_old)
-    recompute = config.true_on_policy_mode or config.use_rollout_entropy or (wanted and not engine)
+    source = old_policy_source(config, num_updates)
     recomputed = entropy = None
-    if recompute:
+    if source.recompute:
         if config.use_rollout_entropy:
             recomputed, entropy = trainer.compute_logprobs_and_entropy(base, config.rollout_temperature,
                                                                        weights=weights)
         else:
             recomputed = trainer.compute_logprobs(base, config.rollout_temperature, weights=weights)
-    if engine:
+    if source.from_engine:
         olds = [x["rollout_logprobs"] for x in base]
     else:
-        olds = recomputed if wanted else None
+        olds = recomputed if source.wanted else None
     return olds, entropy, recomputed
 
 
