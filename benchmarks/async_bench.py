@@ -11,6 +11,7 @@ the given model and data with --extra flags):
   sync          relax-train as configured (the synchronous loop)
   async S=1     the same with --fully-async --max-staleness 1
   async S=2     the same with --fully-async --max-staleness 2
+  async S=1 K   with --chunks K: async S=1 with --num-iters-per-train-update K (each step streamed in K chunks)
   plain loop    benchmarks/plain_loop_bench.py's single-process loop (transformers generate + the same update,
                 no Ray); embedded default only, since it reads the run's settings from the preset
 
@@ -156,7 +157,10 @@ def main() -> int:
     p.add_argument("--model", default=None, help="--hf-checkpoint for every run (default: the embedded default)")
     p.add_argument("--data", default=None, help="--prompt-data for every run (with --model)")
     p.add_argument("--skip-loop", action="store_true")
-    p.add_argument("--only", nargs="*", default=None, help=f"modes to run, of {list(MODES)}")
+    p.add_argument("--chunks", type=int, default=1,
+                   help="also run async S=1 with --num-iters-per-train-update CHUNKS (needs a setting it allows: "
+                        "no KL loss, one optimizer step per rollout)")
+    p.add_argument("--only", nargs="*", default=None, help=f"modes to run, of {list(MODES)} (and 'async S=1 K=N')")
     p.add_argument("--keep", default=None, help="keep the run folders here")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more relax-train flags (every run)")
     args = p.parse_args()
@@ -164,9 +168,12 @@ def main() -> int:
     if args.model:
         extra = ["--hf-checkpoint", args.model, *(["--prompt-data", args.data] if args.data else []), *extra]
     results: dict[str, dict] = {}
+    modes = dict(MODES)
+    if args.chunks > 1:
+        modes[f"async S=1 K={args.chunks}"] = [*MODES["async S=1"], "--num-iters-per-train-update", str(args.chunks)]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.keep or tmp)
-        for name, flags in MODES.items():
+        for name, flags in modes.items():
             if args.only is None or name in args.only:
                 print(f"uptime: {os.popen('uptime').read().strip()}")
                 results[name] = run_mode(name, [*extra, *flags], args.steps, args.warmup,
