@@ -33,7 +33,7 @@ import threading
 import time
 import uuid
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import psutil
 import ray
@@ -193,10 +193,11 @@ def process_state(pid: int, node: str, here: str) -> str:
     return f"process {pid} is {status} but silent (hung)"
 
 
-def silent_entries(latest: list[dict[str, Any]], since_poll_s: float, timeout_s: float) -> list[dict[str, Any]]:
-    """Board entries (with `age_s` as of a poll `since_poll_s` ago) silent for longer than `timeout_s`, with
-    their `age_s` brought up to now."""
-    return [e for e in aged_entries(latest, since_poll_s) if e["age_s"] > timeout_s]
+def silent_entries(latest: list[dict[str, Any]], since_poll_s: float, timeout_s: float,
+                   probed: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """Board entries (with `age_s` as of a poll `since_poll_s` ago), and `probed` entries (aged already), silent for
+    longer than `timeout_s`, with their `age_s` brought up to now."""
+    return [e for e in aged_entries(latest, since_poll_s) + list(probed) if e["age_s"] > timeout_s]
 
 
 def aged_entries(latest: list[dict[str, Any]], since_poll_s: float) -> list[dict[str, Any]]:
@@ -261,14 +262,20 @@ class HealthManager:
         for name, handle in named.items():
             self.probes.append(ActorProbe(name, handle))
 
+    def _since_poll(self) -> tuple[list[dict[str, Any]], float]:
+        """The board's entries as of its last poll (none before the first), and the seconds since."""
+        return (self.latest, time.monotonic() - self.polled_at) if self.polled_at else ([], 0.0)
+
+    def _probed(self) -> list[dict[str, Any]]:
+        return [e for e in (p.entry() for p in self.probes) if e is not None]
+
     def _entries(self) -> list[dict[str, Any]]:
-        """The board's entries (as of its last poll, aged since) and the probed actors' (aged to now)."""
-        board = aged_entries(self.latest, time.monotonic() - self.polled_at) if self.polled_at else []
-        return board + [e for e in (p.entry() for p in self.probes) if e is not None]
+        """The board's entries (aged since its last poll) and the probed actors' (aged to now)."""
+        return aged_entries(*self._since_poll()) + self._probed()
 
     def silent(self) -> list[dict[str, Any]]:
         """The workers whose last heartbeat (or probe answer) is older than --heartbeat-timeout."""
-        return [e for e in self._entries() if e["age_s"] > self.timeout_s]
+        return silent_entries(*self._since_poll(), self.timeout_s, self._probed())
 
     def watch(self, calls: list[Call]) -> None:
         """Raise a `RoleFailure` for the first silent rank (relax.core.calls calls this between wait slices)."""

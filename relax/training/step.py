@@ -148,6 +148,24 @@ def advantage_stage(batch: StepBatch, config: Any, *, old_logprobs: Sequence[tor
     return [a.float() for a in advantages], returns, metrics
 
 
+def update_inputs(batch: StepBatch, advantages: Sequence[torch.Tensor],
+                  old_logprobs: Sequence[torch.Tensor] | None = None,
+                  ref_logprobs: Sequence[torch.Tensor] | None = None) -> list[dict[str, Any]]:
+    """The trainer's sample dicts of the update: the forward stage's tensors of the same samples with their
+    advantages, old and reference log-probs, replayed routes and old entropy (those the step has)."""
+    inputs = with_advantages(batch.base, advantages)
+    for i, x in enumerate(inputs):
+        if old_logprobs is not None:
+            x["old_logprobs"] = old_logprobs[i]
+        if ref_logprobs is not None:
+            x["ref_logprobs"] = ref_logprobs[i]
+        if batch.routes is not None:
+            x["routed_experts"] = batch.routes[i]
+        if batch.entropy is not None:
+            x["old_entropy"] = batch.entropy[i]
+    return inputs
+
+
 def update_stage(trainer, batch: StepBatch, config: Any, *, advantages: Sequence[torch.Tensor],
                  old_logprobs: Sequence[torch.Tensor] | None = None,
                  ref_logprobs: Sequence[torch.Tensor] | None = None) -> dict[str, float]:
@@ -163,16 +181,7 @@ def update_stage(trainer, batch: StepBatch, config: Any, *, advantages: Sequence
     update_actor = actor_updates_at(config, step)
     gbs = config.global_batch_size or len(samples)
     num_updates = batch.num_updates
-    inputs = with_advantages(batch.base, advantages)  # the forward stage's tensors of the same samples
-    for i, x in enumerate(inputs):
-        if old_logprobs is not None:
-            x["old_logprobs"] = old_logprobs[i]
-        if ref_logprobs is not None:
-            x["ref_logprobs"] = ref_logprobs[i]
-        if batch.routes is not None:
-            x["routed_experts"] = batch.routes[i]
-        if batch.entropy is not None:
-            x["old_entropy"] = batch.entropy[i]
+    inputs = update_inputs(batch, advantages, old_logprobs, ref_logprobs)
     if config.save_debug_train_data:
         save_train_data(config.save_debug_train_data, step, _global_rank(), inputs, [s.index for s in samples])
     metrics: dict[str, list[float]] = {}

@@ -19,9 +19,8 @@ from typing import Any, Sequence
 
 from relax.backends.megatron.accumulate import ChunkedStep
 from relax.data.sample import Sample
-from relax.training.advantages import with_advantages
 from relax.training.objective import PolicyObjective
-from relax.training.step import actor_updates_at, advantage_stage, dp_share, forward_stage
+from relax.training.step import actor_updates_at, advantage_stage, dp_share, forward_stage, update_inputs
 
 
 class StreamingUpdate:
@@ -49,14 +48,7 @@ class StreamingUpdate:
             raise RuntimeError(f"step {self.step}: a chunk after the step's last one")
         batch, olds = forward_stage(self.trainer, samples, self.config, self.step)
         advantages, _, adv_metrics = advantage_stage(batch, self.config, old_logprobs=olds)
-        inputs = with_advantages(batch.base, advantages)
-        for i, x in enumerate(inputs):
-            if olds is not None:
-                x["old_logprobs"] = olds[i]
-            if batch.routes is not None:
-                x["routed_experts"] = batch.routes[i]
-            if batch.entropy is not None:
-                x["old_entropy"] = batch.entropy[i]
+        inputs = update_inputs(batch, advantages, olds)
         mine, spread = dp_share(inputs, self.trainer.layout, bool(self.config.balance_data))
         if self.accumulated is not None:
             self.accumulated.add(mine, last=last)

@@ -30,7 +30,6 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from relax.backends.megatron.cpu_compat import apply_cpu_compat
-from relax.backends.megatron.megatron_options import check_weight_hashes
 from relax.backends.megatron.trainer import MegatronTrainer, _mask_counts
 
 __all__ = ["ChunkedStep"]
@@ -131,13 +130,4 @@ class ChunkedStep:
         for key, value in self.sums.items():
             weighting = self.loss_weighting if key == "loss" or metric_weighting is None else metric_weighting(key)
             metrics[key] = value / divisor[weighting]
-        t._check_finite(metrics)
-        lr = float(t.optimizer.param_groups[0]["lr"])
-        success, grad_norm, _ = t.optimizer.step()
-        if success:
-            t.scheduler.step(increment=1)
-            t.iteration += 1
-        check_weight_hashes(t.model, t.iteration, t.settings.megatron_options)
-        metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), lr=lr,
-                       skipped=0.0 if success else 1.0, loss_scale=float(t.optimizer.get_loss_scale().item()))
-        return metrics
+        return t._optimizer_step(metrics)

@@ -11,26 +11,24 @@ means upstream; only the import is deferred. Relax turns Megatron's fusions off 
 (relax.backends.megatron.arch), so the fused functions are not called at all there. (A trainer rank still imports
 torch._dynamo when it builds its optimizer: torch.optim's `add_param_group` is wrapped by `torch._disable_dynamo`.)
 
-`install()` arms this for the process's first import of `megatron.core.jit`; `relax/__init__.py` calls it, so
+`install()` arms this for the process's first import of `megatron.core.jit` (relax.importing.patch_import); `relax/__init__.py` calls it, so
 every process that imports Relax has it before Megatron. It imports nothing itself. `--disable-jit-fuser`
 (relax.backends.megatron.megatron_options) replaces the fuser afterwards as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import importlib.abc
-import importlib.machinery
-import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
+
+from relax.importing import patch_import
 
 TARGET = "megatron.core.jit"
 
 
 def install() -> None:
-    if TARGET in sys.modules or any(isinstance(f, _Finder) for f in sys.meta_path):
-        return
-    sys.meta_path.insert(0, _Finder())
+    patch_import(TARGET, _compile_deferred)
 
 
 def deferred_compile(compile_fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -52,31 +50,13 @@ def deferred_compile(compile_fn: Callable[..., Any]) -> Callable[..., Any]:
     return compile_later
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name: str, path: Any = None, target: Any = None):
-        if name != TARGET:
-            return None
-        sys.meta_path.remove(self)  # once
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        spec.loader = _Loader(spec.loader)
-        return spec
+@contextlib.contextmanager
+def _compile_deferred() -> Iterator[None]:
+    import torch  # only when Megatron is imported: `import relax` itself stays light
 
-
-class _Loader(importlib.abc.Loader):
-    def __init__(self, inner: Any):
-        self.inner = inner
-
-    def create_module(self, spec):
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        import torch
-
-        kept = torch.compile
-        torch.compile = deferred_compile(kept)
-        try:
-            self.inner.exec_module(module)
-        finally:
-            torch.compile = kept
+    kept = torch.compile
+    torch.compile = deferred_compile(kept)
+    try:
+        yield
+    finally:
+        torch.compile = kept

@@ -685,6 +685,10 @@ class MegatronTrainer:
         with self._route_replayer(samples) as replayer:
             outputs = self._run(micro_batches, step, forward_only=False, hooks=replayer)
         metrics = self._reduce_metrics(outputs, dp_group)
+        return self._optimizer_step(metrics)
+
+    def _optimizer_step(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Check `metrics`, step optimizer and lr (ChunkedStep too); add grad_norm, lr, skipped, loss_scale."""
         self._check_finite(metrics)
         lr = float(self.optimizer.param_groups[0]["lr"])
         success, grad_norm, _ = self.optimizer.step()
@@ -692,12 +696,8 @@ class MegatronTrainer:
             self.scheduler.step(increment=1)
             self.iteration += 1
         check_weight_hashes(self.model, self.iteration, self.settings.megatron_options)
-        metrics.update(
-            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-            lr=lr,
-            skipped=0.0 if success else 1.0,
-            loss_scale=float(self.optimizer.get_loss_scale().item()),
-        )
+        metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), lr=lr,
+                       skipped=0.0 if success else 1.0, loss_scale=float(self.optimizer.get_loss_scale().item()))
         return metrics
 
     def moe_stage_layers(self) -> list[int]:
