@@ -128,7 +128,8 @@ def test_from_flags_fills_megatron_defaults_and_names_what_it_cannot_build():
         ModelArch.from_flags({"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 320,
                               "max_position_embeddings": 64, "normalization": "LayerNorm", "rotary_interleaved": True})
     for needle in ("--swiglu is required", "--normalization LayerNorm", "--disable-bias-linear is required",
-                   "--rotary-interleaved True", "--position-embedding-type rope"):
+                   "--rotary-interleaved without --post-self-attn-layernorm --post-mlp-layernorm",
+                   "--position-embedding-type rope"):
         assert needle in str(exc.value), needle
 
 
@@ -180,19 +181,21 @@ def test_every_honoured_architecture_flag_is_a_parser_flag_with_help():
     assert set(ARCH_FLAGS) - ARCH_FEATURES == {  # features no supported model has: refused when set
         "squared_relu", "openai_gelu", "quick_geglu", "layernorm_zero_centered_gamma", "qk_l2_norm",
         "apply_residual_connection_post_layernorm", "attention_output_gate", "multi_latent_attention",
-        "rotary_interleaved", "rotary_seq_len_interpolation_factor", "rotary_percent", "moe_router_score_function",
+        "rotary_seq_len_interpolation_factor", "moe_router_score_function",
         "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
         "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size"}
 
 
 def test_features_no_supported_model_has_stay_refused_when_the_model_cannot_be_read(prompt_file, tmp_path):
     # a launch script's --dry-run on another machine: the model path does not exist here
-    config = parse_config(["--hf-checkpoint", str(tmp_path / "absent"), "--prompt-data", prompt_file,
-                           "--rollout-batch-size", "2", "--num-rollout", "2", "--output-dir", str(tmp_path / "out"),
-                           *TINY_MODEL_ARGS, "--rotary-interleaved", "--rotary-percent", "0.5",
-                           "--position-embedding-type", "mrope"])
-    assert unsupported_flags(config) == ["--position-embedding-type mrope", "--rotary-interleaved",
-                                         "--rotary-percent"]
+    run = ["--hf-checkpoint", str(tmp_path / "absent"), "--prompt-data", prompt_file, "--rollout-batch-size", "2",
+           "--num-rollout", "2", "--output-dir", str(tmp_path / "out"), *TINY_MODEL_ARGS]
+    config = parse_config(run + ["--position-embedding-type", "mrope", "--qk-l2-norm"])
+    assert unsupported_flags(config) == ["--position-embedding-type mrope", "--qk-l2-norm"]
+    # GLM4's features are built, but only together: a qwen2 flag file with partial interleaved RoPE is no model
+    with pytest.raises(ConfigError, match="--rotary-interleaved without --post-self-attn-layernorm "
+                                          "--post-mlp-layernorm: GLM4 models"):
+        parse_config(run + ["--rotary-interleaved", "--rotary-percent", "0.5"])
 
 
 def test_a_model_relax_cannot_build_or_read_is_named_when_flags_are_given(prompt_file, tmp_path):

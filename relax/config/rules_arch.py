@@ -19,7 +19,7 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
-from relax.backends.megatron.arch import ARCH_FLAGS, SIZE_FLAGS, ModelArch
+from relax.backends.megatron.arch import ARCH_FLAGS, SIZE_FLAGS, ModelArch, glm4_flag_problems
 from relax.config.errors import ConfigError
 from relax.config.presets import embedded_paths
 from relax.config.support import same_value
@@ -48,6 +48,16 @@ ARCH_FLAG_HELP: dict[str, str] = {
                                       "rope)." + _CHECKED,
     "add_position_embedding": "No learned absolute position table (rotary models have none)." + _CHECKED,
     "rotary_base": "Base (theta) of the rotary embedding frequencies." + _CHECKED,
+    "rotary_percent": "Fraction of each attention head the rotary embedding rotates (its first dims). Below 1 only "
+                      "in GLM4 models (HF partial_rotary_factor, 0.5), built with --post-self-attn-layernorm, "
+                      "--post-mlp-layernorm and --rotary-interleaved." + _CHECKED,
+    "rotary_interleaved": "Rotate interleaved pairs of dims (2i, 2i+1) instead of the two halves of the head. GLM4 "
+                          "models only: Relax builds it with --post-self-attn-layernorm and --post-mlp-layernorm, as "
+                          "HF's Glm4ForCausalLM computes it." + _CHECKED,
+    "post_self_attn_layernorm": "RMSNorm on the self-attention's output before the residual add (GLM4 models; "
+                                "with --post-mlp-layernorm and --rotary-interleaved)." + _CHECKED,
+    "post_mlp_layernorm": "RMSNorm on the MLP's output before the residual add (GLM4 models; with "
+                          "--post-self-attn-layernorm and --rotary-interleaved)." + _CHECKED,
     "use_rope_scaling": "Llama-3.1-style RoPE frequency scaling." + _CHECKED,
     "rope_scaling_factor": "Factor of the Llama-3.1-style RoPE scaling (used with --use-rope-scaling)." + _CHECKED,
     "max_position_embeddings": "Longest sequence the position embedding is built for (unset: --seq-length)."
@@ -199,7 +209,10 @@ def check_arch_flags(v: dict, explicit, defaults: Optional[dict] = None) -> None
     if not v.get("hf_checkpoint"):
         refuse_without_hf(v, given)
     hf = hf_arch(v)
-    if hf is None:
+    if hf is None:  # nothing to compare with; GLM4's features must still come together (ModelArch.from_flags)
+        problems = glm4_flag_problems(v.get)
+        if problems:
+            raise ConfigError("cannot build the model from the architecture flags: " + "; ".join(problems))
         return
     problems = mismatches(v, given, hf)
     if problems:

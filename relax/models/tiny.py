@@ -23,9 +23,9 @@ CHATML_TEMPLATE = (
 
 @dataclass(frozen=True)
 class TinyArch:
-    """Shape of the tiny model (a Qwen2- or Llama-family causal LM)."""
+    """Shape of the tiny model (a Qwen2-, Llama-, Qwen3- or GLM4-family causal LM)."""
 
-    family: str = "qwen2"  # qwen2 | llama | qwen3
+    family: str = "qwen2"  # qwen2 | llama | qwen3 | glm4
     hidden_size: int = 64
     intermediate_size: int = 176
     num_hidden_layers: int = 2
@@ -62,7 +62,7 @@ def build_byte_tokenizer():
 
 
 def build_hf_config(arch: TinyArch, vocab_size: int):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import Glm4Config, LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -83,7 +83,10 @@ def build_hf_config(arch: TinyArch, vocab_size: int):
         return LlamaConfig(**common, attention_bias=False, mlp_bias=False)
     if arch.family == "qwen3":
         return Qwen3Config(**common, head_dim=arch.hidden_size // arch.num_attention_heads)
-    raise ValueError(f"unknown tiny model family {arch.family!r} (qwen2, llama, qwen3)")
+    if arch.family == "glm4":  # GLM4-9B's features: half the head rotated (interleaved), QKV biases, post norms
+        return Glm4Config(**common, head_dim=arch.hidden_size // arch.num_attention_heads, partial_rotary_factor=0.5,
+                          attention_bias=True)
+    raise ValueError(f"unknown tiny model family {arch.family!r} (qwen2, llama, qwen3, glm4)")
 
 
 def build_tiny_model_dir(path: str | Path, arch: TinyArch | None = None, seed: int = 0) -> Path:

@@ -1,7 +1,7 @@
 """Model architecture: what an HF config or Megatron's architecture flags say, in the terms Megatron-core needs.
 
 `ModelArch` is a frozen, hashable description of a decoder-only transformer
-(Llama, Qwen2, Qwen3 dense and Qwen3-MoE). It is built from an HF config
+(Llama, Qwen2, Qwen3 dense, Qwen3-MoE and GLM4 dense). It is built from an HF config
 (`from_hf_config`) or from Megatron's architecture flags (`from_flags`), and
 `to_flags` states it back as those flags. `to_transformer_config` turns it plus
 the parallel layout and precision into a Megatron `TransformerConfig`.
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 __all__ = ["ARCH_FLAGS", "BUILDABLE_FLAGS", "SIZE_FLAGS", "ModelArch", "arch_for_run", "to_transformer_config",
-           "pad_vocab_size"]
+           "pad_vocab_size", "glm4_flag_problems"]
 
-_SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+_SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4")
 
 # Megatron's architecture flags (argparse dest -> (flag, where an HF config states the same fact)). These are
 # the flags of the Megatron parser that decide the shape of the model Relax builds; `ModelArch.to_flags` gives
@@ -50,8 +50,9 @@ ARCH_FLAGS: dict[str, tuple[str, str]] = {
     "use_rotary_position_embeddings": ("--use-rotary-position-embeddings", "RoPE"),
     "add_position_embedding": ("--no-position-embedding", "no learned position table (RoPE)"),
     "rotary_base": ("--rotary-base", "rope_theta"),
-    "rotary_percent": ("--rotary-percent", "RoPE on the whole head"),
-    "rotary_interleaved": ("--rotary-interleaved", "half-split RoPE in Llama/Qwen models"),
+    "rotary_percent": ("--rotary-percent", "partial_rotary_factor: 0.5 in GLM4, the whole head elsewhere"),
+    "rotary_interleaved": ("--rotary-interleaved", "model_type glm4 rotates interleaved pairs, Llama/Qwen "
+                                                   "models the two halves of the head"),
     "rotary_seq_len_interpolation_factor": ("--rotary-seq-len-interpolation-factor", "rope_scaling"),
     "use_rope_scaling": ("--use-rope-scaling", "rope_scaling of rope_type llama3"),
     "rope_scaling_factor": ("--rope-scaling-factor", "rope_scaling.factor"),
@@ -59,6 +60,8 @@ ARCH_FLAGS: dict[str, tuple[str, str]] = {
     "untie_embeddings_and_output_weights": ("--untie-embeddings-and-output-weights", "tie_word_embeddings"),
     "add_bias_linear": ("--disable-bias-linear", "mlp_bias; Llama/Qwen models have no linear biases"),
     "add_qkv_bias": ("--add-qkv-bias", "QKV biases: model_type qwen2, or attention_bias"),
+    "post_self_attn_layernorm": ("--post-self-attn-layernorm", "model_type glm4 (post_self_attn_layernorm)"),
+    "post_mlp_layernorm": ("--post-mlp-layernorm", "model_type glm4 (post_mlp_layernorm)"),
     "vocab_size": ("--vocab-size", "vocab_size"),
     "num_experts": ("--num-experts", "num_experts"),
     "moe_ffn_hidden_size": ("--moe-ffn-hidden-size", "moe_intermediate_size"),
@@ -85,14 +88,19 @@ SIZE_FLAGS: dict[str, str] = {
 _ABSENT_FEATURES: dict[str, Any] = {
     "squared_relu": False, "openai_gelu": False, "quick_geglu": False, "layernorm_zero_centered_gamma": False,
     "apply_residual_connection_post_layernorm": False, "qk_l2_norm": False, "attention_output_gate": False,
-    "multi_latent_attention": False, "rotary_interleaved": False, "rotary_seq_len_interpolation_factor": None,
+    "multi_latent_attention": False, "rotary_seq_len_interpolation_factor": None,
     "moe_router_score_function": "softmax", "moe_router_topk_scaling_factor": None, "moe_router_num_groups": None,
     "moe_router_group_topk": None, "moe_router_enable_expert_bias": False, "moe_shared_expert_intermediate_size": None,
 }
 
 # The architecture flags that can take a value other than Megatron's default in a model Relax builds (the others
-# describe features no supported family has, or --rotary-percent, which they keep at 1).
-BUILDABLE_FLAGS: frozenset[str] = frozenset(ARCH_FLAGS) - frozenset(_ABSENT_FEATURES) - {"rotary_percent"}
+# describe features no supported family has).
+BUILDABLE_FLAGS: frozenset[str] = frozenset(ARCH_FLAGS) - frozenset(_ABSENT_FEATURES)
+
+# GLM4's features, which no other supported family has (its HF modelling code, Glm4DecoderLayer/Glm4Attention):
+# RoPE on the first `partial_rotary_factor` of each head, on interleaved pairs (dims 2i, 2i+1) instead of the two
+# halves, and an RMSNorm on the attention's and on the MLP's output before each residual add.
+_GLM4_ONLY = ("rotary_interleaved", "post_self_attn_layernorm", "post_mlp_layernorm")
 
 
 def megatron_default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
@@ -111,6 +119,14 @@ def _cfg(hf_config: Any, name: str, default: Any = None) -> Any:
     if isinstance(hf_config, dict):
         return hf_config.get(name, default)
     return getattr(hf_config, name, default)
+
+
+def _partial_rotary_factor(hf_config: Any, model_type: str) -> float:
+    """The fraction of each head that RoPE rotates: `partial_rotary_factor` (in rope_parameters in transformers 5,
+    top-level before), defaulting as transformers does (0.5 for GLM4, the whole head for the other families)."""
+    params = _cfg(hf_config, "rope_parameters") or {}
+    factor = params.get("partial_rotary_factor", _cfg(hf_config, "partial_rotary_factor"))
+    return float(factor if factor is not None else 0.5 if model_type == "glm4" else 1.0)
 
 
 def _rope(hf_config: Any) -> tuple[float, Optional[float]]:
@@ -145,7 +161,8 @@ class ModelArch:
     vocab_size: int  # padded; Megatron's embedding and output layer have this many rows
     max_position_embeddings: int
     rotary_base: float = 10000.0
-    rotary_percent: float = 1.0
+    rotary_percent: float = 1.0  # the fraction of each head RoPE rotates (the first dims); GLM4's 0.5
+    rotary_interleaved: bool = False  # RoPE on pairs (2i, 2i+1) (GLM4), not on the head's two halves
     rope_scaling_factor: Optional[float] = None  # llama3-style scaling when set
     norm_epsilon: float = 1e-6
     normalization: str = "RMSNorm"
@@ -153,6 +170,9 @@ class ModelArch:
     add_bias_linear: bool = False
     add_qkv_bias: bool = False
     qk_layernorm: bool = False
+    # GLM4's RMSNorms of the attention's and the MLP's output, before each residual add
+    post_self_attn_layernorm: bool = False
+    post_mlp_layernorm: bool = False
     untie_embeddings_and_output_weights: bool = True
     hf_family: str = "llama"
     hf_vocab_size: Optional[int] = None  # the real vocabulary; rows past it are padding
@@ -171,6 +191,12 @@ class ModelArch:
             raise ValueError("num_attention_heads must be a multiple of num_query_groups")
         if self.hf_family not in _SUPPORTED_FAMILIES:
             raise ValueError(f"hf_family {self.hf_family!r} not in {_SUPPORTED_FAMILIES}")
+        glm4 = (self.rotary_interleaved, self.post_self_attn_layernorm, self.post_mlp_layernorm)
+        if (self.hf_family == "glm4") != any(glm4) or (any(glm4) and not all(glm4)) \
+                or (self.rotary_percent != 1.0 and self.hf_family != "glm4"):
+            # the HF export names the model by hf_family: only Glm4ForCausalLM computes these features
+            raise ValueError("interleaved or partial RoPE and the post-sublayer norms make a glm4 model, "
+                             "and a glm4 model has the three of them")
 
     @property
     def is_moe(self) -> bool:
@@ -184,7 +210,7 @@ class ModelArch:
 
     @classmethod
     def from_hf_config(cls, hf_config: Any, *, vocab_multiple: int = 1) -> "ModelArch":
-        """Build from a transformers config (object or dict) of Llama/Qwen2/Qwen3(-MoE)."""
+        """Build from a transformers config (object or dict) of Llama/Qwen2/Qwen3(-MoE)/GLM4."""
         model_type = _cfg(hf_config, "model_type")
         if model_type not in _SUPPORTED_FAMILIES:
             raise NotImplementedError(f"model_type {model_type!r} is not supported")
@@ -198,9 +224,14 @@ class ModelArch:
         if _cfg(hf_config, "mlp_bias", False):
             raise NotImplementedError("MLP biases are not supported")
         base, scaling = _rope(hf_config)
+        glm4 = model_type == "glm4"
+        partial = _partial_rotary_factor(hf_config, model_type)
+        if partial != 1.0 and not glm4:  # their modelling code rotates the whole head whatever the config says
+            raise NotImplementedError(f"partial_rotary_factor {partial} in a {model_type} model")
         head_dim = _cfg(hf_config, "head_dim") or hidden // heads
         vocab = _cfg(hf_config, "vocab_size")
-        qkv_bias = model_type == "qwen2" or bool(_cfg(hf_config, "attention_bias", False))
+        # Glm4Config's attention_bias defaults to True, the others' to False
+        qkv_bias = model_type == "qwen2" or bool(_cfg(hf_config, "attention_bias", glm4))
         moe: dict[str, Any] = {}
         if model_type == "qwen3_moe":
             if _cfg(hf_config, "mlp_only_layers") or _cfg(hf_config, "decoder_sparse_step", 1) != 1:
@@ -222,6 +253,8 @@ class ModelArch:
             hf_vocab_size=vocab,
             max_position_embeddings=_cfg(hf_config, "max_position_embeddings"),
             rotary_base=base,
+            rotary_percent=partial,
+            rotary_interleaved=glm4,
             rope_scaling_factor=scaling,
             norm_epsilon=float(_cfg(hf_config, "rms_norm_eps", 1e-6)),
             normalization="RMSNorm",
@@ -229,6 +262,8 @@ class ModelArch:
             add_bias_linear=False,
             add_qkv_bias=qkv_bias,
             qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
+            post_self_attn_layernorm=glm4,
+            post_mlp_layernorm=glm4,
             untie_embeddings_and_output_weights=not _cfg(hf_config, "tie_word_embeddings", False),
             hf_family=model_type,
             **moe,
@@ -256,6 +291,9 @@ class ModelArch:
             add_position_embedding=False,
             rotary_base=self.rotary_base,
             rotary_percent=self.rotary_percent,
+            rotary_interleaved=self.rotary_interleaved,
+            post_self_attn_layernorm=self.post_self_attn_layernorm,
+            post_mlp_layernorm=self.post_mlp_layernorm,
             use_rope_scaling=self.rope_scaling_factor is not None,
             rope_scaling_factor=self.rope_scaling_factor,
             max_position_embeddings=self.max_position_embeddings,
@@ -278,7 +316,10 @@ class ModelArch:
         counts only with --group-query-attention, --max-position-embeddings defaults to --seq-length.
 
         Only models that Relax can also export to Hugging Face (and so to the rollout engines) are built:
-        Llama, Qwen2, Qwen3 and Qwen3-MoE shapes. ValueError names every missing or unbuildable flag.
+        Llama, Qwen2, Qwen3, Qwen3-MoE and GLM4 shapes. A GLM4 model is the one with --post-self-attn-layernorm
+        and --post-mlp-layernorm; it also needs --rotary-interleaved (its HF modelling code rotates pairs), and
+        --rotary-interleaved or a --rotary-percent below 1 need it (no other family's HF code has them).
+        ValueError names every missing or unbuildable flag.
         """
         get = flags.get
         problems = [f"{ARCH_FLAGS[d][0]} is required" for d in ("num_layers", "hidden_size", "num_attention_heads")
@@ -296,8 +337,7 @@ class ModelArch:
             problems.append("--position-embedding-type rope (or --use-rotary-position-embeddings) is required")
         if get("add_bias_linear", True):
             problems.append("--disable-bias-linear is required (the supported models have no linear biases)")
-        if (get("rotary_percent") or 1.0) != 1.0:
-            problems.append(f"--rotary-percent {get('rotary_percent')}: the supported models rotate the whole head")
+        problems += glm4_flag_problems(get)
         for dest, off in _ABSENT_FEATURES.items():
             if get(dest, off) != off:
                 problems.append(f"{ARCH_FLAGS[dest][0]} {get(dest)}: not a feature of the supported models")
@@ -318,7 +358,8 @@ class ModelArch:
             moe = dict(num_experts=experts, moe_router_topk=get("moe_router_topk") or 2,
                        moe_ffn_hidden_size=get("moe_ffn_hidden_size") or ffn,
                        moe_norm_topk_prob=not get("moe_router_pre_softmax"))
-        family = ("qwen3_moe" if experts else "qwen3" if get("qk_layernorm")
+        glm4 = bool(get("post_self_attn_layernorm"))
+        family = ("qwen3_moe" if experts else "qwen3" if get("qk_layernorm") else "glm4" if glm4
                   else "qwen2" if get("add_qkv_bias") else "llama")
         return cls(
             num_layers=get("num_layers"),
@@ -331,6 +372,8 @@ class ModelArch:
             hf_vocab_size=vocab,
             max_position_embeddings=max_pos,
             rotary_base=float(get("rotary_base") or 10000),
+            rotary_percent=float(get("rotary_percent") or 1.0),
+            rotary_interleaved=bool(get("rotary_interleaved")),
             rope_scaling_factor=float(get("rope_scaling_factor") or 8.0) if get("use_rope_scaling") else None,
             norm_epsilon=float(get("layernorm_epsilon") or 1e-5),
             normalization="RMSNorm",
@@ -338,10 +381,36 @@ class ModelArch:
             add_bias_linear=False,
             add_qkv_bias=bool(get("add_qkv_bias")),
             qk_layernorm=bool(get("qk_layernorm")),
+            post_self_attn_layernorm=glm4,
+            post_mlp_layernorm=glm4,
             untie_embeddings_and_output_weights=bool(get("untie_embeddings_and_output_weights")),
             hf_family=family,
             **moe,
         )
+
+
+def glm4_flag_problems(get) -> list[str]:
+    """GLM4's flags come together: the two post-sublayer norms and interleaved RoPE make the GLM4 family (HF's
+    Glm4ForCausalLM has all three, no other family any), and only GLM4 rotates part of the head. `get`: a flag
+    dest's value (`flags.get`); one problem per line, naming the flags."""
+    given = [d for d in _GLM4_ONLY if get(d)]
+    percent = get("rotary_percent") or 1.0
+    if not given:
+        return [] if percent == 1.0 else [
+            f"--rotary-percent {percent}: only GLM4 models rotate part of the head (built with "
+            "--post-self-attn-layernorm --post-mlp-layernorm --rotary-interleaved)"]
+    shown = " ".join(ARCH_FLAGS[d][0] for d in given)
+    if get("qk_layernorm") or get("num_experts"):
+        other = "--num-experts" if get("num_experts") else "--qk-layernorm"
+        return [f"{shown} with {other}: the GLM4 features with another family's (no supported model has both)"]
+    problems = []
+    missing = [ARCH_FLAGS[d][0] for d in _GLM4_ONLY if d not in given]
+    if missing:
+        problems.append(f"{shown} without {' '.join(missing)}: GLM4 models (the only family with these features) "
+                        "have all three")
+    if not 0.0 < percent <= 1.0:
+        problems.append(f"--rotary-percent {percent}: not a fraction of the head")
+    return problems
 
 
 def _user_set(config: Any, dest: str) -> bool:
@@ -435,6 +504,7 @@ def to_transformer_config(
         add_bias_linear=arch.add_bias_linear,
         add_qkv_bias=arch.add_qkv_bias,
         qk_layernorm=arch.qk_layernorm,
+        rotary_interleaved=arch.rotary_interleaved,  # the fraction rotated is GPTModel's rotary_percent
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,

@@ -1,7 +1,8 @@
-"""Hugging Face <-> Megatron weights for Llama / Qwen2 / Qwen3 (and Qwen3-MoE).
+"""Hugging Face <-> Megatron weights for Llama / Qwen2 / Qwen3 (and Qwen3-MoE) / GLM4.
 
 Loading walks Megatron's parameters, builds each one's full tensor from HF
-tensors (fusing Q/K/V per query group and gate/up into `linear_fc1`), and
+tensors (fusing Q/K/V per query group and gate/up into `linear_fc1`; GLM4's HF
+checkpoint already holds gate and up as one `gate_up_proj`), and
 copies this rank's tensor-parallel shard. Exporting does the reverse: gathers
 each parameter over its tensor-parallel group and splits it into HF tensors.
 
@@ -90,10 +91,11 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- #
 
 
-def _layer_hf_names(layer: int, suffix: str) -> Optional[tuple[str, list[str]]]:
-    """(kind, HF names) for a Megatron parameter suffix inside layer `layer`.
+def _layer_hf_names(layer: int, suffix: str, gate_up: bool = False) -> Optional[tuple[str, list[str]]]:
+    """(kind, HF names) for a Megatron parameter suffix inside layer `layer`; `gate_up`: the HF model holds the
+    MLP's gate and up projections as one tensor (GLM4's gate_up_proj, gate rows first).
 
-    kind is one of "copy", "qkv", "fc1".
+    kind is one of "copy", "qkv", "fc1" (HF gate and up tensors), "gate_up" (one HF tensor, [gate; up]).
     """
     p = f"model.layers.{layer}."
     attn = p + "self_attn."
@@ -112,9 +114,13 @@ def _layer_hf_names(layer: int, suffix: str) -> Optional[tuple[str, list[str]]]:
     if suffix == "self_attention.linear_proj.weight":
         return "copy", [attn + "o_proj.weight"]
     if suffix == "mlp.linear_fc1.weight":
+        if gate_up:
+            return "gate_up", [p + "mlp.gate_up_proj.weight"]
         return "fc1", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
     if suffix == "mlp.linear_fc2.weight":
         return "copy", [p + "mlp.down_proj.weight"]
+    if suffix in ("post_self_attn_layernorm.weight", "post_mlp_layernorm.weight"):  # GLM4
+        return "copy", [p + suffix]
     if suffix == "mlp.router.weight":
         return "copy", [p + "mlp.gate.weight"]
     return None
@@ -174,7 +180,7 @@ def _param_infos(model: torch.nn.Module, arch: ModelArch) -> list[_ParamInfo]:
             mapped = _expert_hf_names(layer, global_expert, expert.group(2))
             expert_key = (layer, local_expert, expert.group(2))
         else:
-            mapped = _layer_hf_names(layer, suffix)
+            mapped = _layer_hf_names(layer, suffix, gate_up=arch.hf_family == "glm4")
         if mapped is None:
             raise KeyError(f"no HF counterpart for Megatron parameter {name!r}")
         infos.append(
@@ -270,8 +276,8 @@ def load_hf_weights(
         _, size, rank = _tp_group(info)
         split = _is_split(param)
         dim = getattr(param, "partition_dim", 0)
-        if info.kind == "fc1":
-            gate, up = tensors
+        if info.kind in ("fc1", "gate_up"):
+            gate, up = tensors if info.kind == "fc1" else tensors[0].chunk(2, dim=0)
             if split:
                 gate, up = _shard(gate, dim, size, rank), _shard(up, dim, size, rank)
             local = torch.cat([gate, up], dim=0)
@@ -342,9 +348,10 @@ def _gather_full(info: _ParamInfo, arch: ModelArch) -> list[torch.Tensor]:
     group, size, _ = _tp_group(info)
     dim = getattr(info.param, "partition_dim", 0)
     parts = _gather(param, group, size) if _is_split(info.param) else [param]
-    if info.kind == "fc1":
+    if info.kind in ("fc1", "gate_up"):  # each rank holds [its gate rows; its up rows]
         halves = [p.chunk(2, dim=0) for p in parts]
-        return [torch.cat([h[0] for h in halves], dim=dim), torch.cat([h[1] for h in halves], dim=dim)]
+        gate, up = torch.cat([h[0] for h in halves], dim=dim), torch.cat([h[1] for h in halves], dim=dim)
+        return [gate, up] if info.kind == "fc1" else [torch.cat([gate, up], dim=0)]
     full = torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0].clone()
     if info.is_vocab:
         full = full[: arch.hf_vocab_size].clone()

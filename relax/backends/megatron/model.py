@@ -32,16 +32,29 @@ def layer_spec(arch: ModelArch, use_te: bool, grouped_gemm: bool = False):
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    from relax.backends.megatron.post_norm import with_post_norms  # imports megatron-core, as the lines above
+
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(
+        spec = get_gpt_layer_with_transformer_engine_spec(
             num_experts=arch.num_experts, moe_grouped_gemm=grouped_gemm, qk_layernorm=arch.qk_layernorm
         )
-    return get_gpt_layer_local_spec(
-        num_experts=arch.num_experts,
-        moe_grouped_gemm=False,
-        qk_layernorm=arch.qk_layernorm,
-        normalization=arch.normalization,
-    )
+    else:
+        spec = get_gpt_layer_local_spec(
+            num_experts=arch.num_experts,
+            moe_grouped_gemm=False,
+            qk_layernorm=arch.qk_layernorm,
+            normalization=arch.normalization,
+        )
+    if arch.post_self_attn_layernorm:  # GLM4 (ModelArch keeps the two post-sublayer norms together)
+        spec = with_post_norms(spec, _te_norm() if use_te else spec.submodules.input_layernorm)
+    return spec
+
+
+def _te_norm():
+    """Transformer Engine's standalone norm (its layer spec fuses the other norms into the next linear layer)."""
+    from megatron.core.extensions.transformer_engine import TENorm
+
+    return TENorm
 
 
 class ValueHead(torch.nn.Module):
