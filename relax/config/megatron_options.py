@@ -66,8 +66,19 @@ DDP: dict[str, str] = {
     "ddp_num_buckets": "num_buckets",  # wrap_ddp: the bucket size is the parameter count over it, as Megatron-LM
     # not a DDP field: with overlap_grad_reduce, whether the schedules get DDP's start_grad_sync (wrap_ddp)
     "align_grad_reduce": "align_grad_reduce",
+    # the distributed optimizer's param all-gather overlapped with the next forward pass: DDP's forward pre-hooks
+    # wait for each bucket; the trainer finishes the gather before it reads the weights otherwise (optim.gather_params)
+    "overlap_param_gather": "overlap_param_gather",
+    "align_param_gather": "align_param_gather",  # --no-align-param-gather: each bucket's hook starts the next one
+    # each bucket's local gradient norm checked before the reduce (Megatron's rerun state machine warns)
+    "check_for_large_grads": "check_for_large_grads",
+    # the distributed optimizer sharded over DP / N ranks, gradients all-reduced across the N instances (also an
+    # initialize_model_parallel argument: PARALLEL)
+    "num_distributed_optimizer_instances": "num_distributed_optimizer_instances",
 }
-DDP_GPU: dict[str, str] = {"fp8_param_gather": "fp8_param_gather", "keep_fp8_transpose_cache": "keep_fp8_transpose_cache"}
+# NCCL user buffers for the DDP param and grad buffers (GPU-only).
+DDP_GPU: dict[str, str] = {"fp8_param_gather": "fp8_param_gather", "keep_fp8_transpose_cache": "keep_fp8_transpose_cache",
+                           "nccl_ub": "nccl_ub", "disable_symmetric_registration": "disable_symmetric_registration"}
 # OptimizerParamScheduler settings (relax.backends.megatron.optim.build_scheduler), built on the CPU.
 SCHEDULER: frozenset[str] = frozenset({
     "lr_warmup_fraction", "lr_warmup_samples", "lr_decay_samples", "lr_wsd_decay_style", "lr_wsd_decay_iters",
@@ -77,9 +88,10 @@ SCHEDULER: frozenset[str] = frozenset({
 # initialize_model_parallel / RNG arguments of NCCL or Transformer Engine features (GPU-only).
 PARALLEL_GPU: frozenset[str] = frozenset({
     "use_sharp", "sharp_enabled_group", "high_priority_stream_groups", "nccl_communicator_config_path",
-    "hierarchical_context_parallel_sizes", "te_rng_tracker",
+    "hierarchical_context_parallel_sizes", "te_rng_tracker", "create_all_gather_group",
 })
-PARALLEL: frozenset[str] = frozenset({"use_gloo_process_groups", "use_tp_pp_dp_mapping", "data_parallel_random_init"})
+PARALLEL: frozenset[str] = frozenset({"use_gloo_process_groups", "use_tp_pp_dp_mapping", "data_parallel_random_init",
+                                      "num_distributed_optimizer_instances"})
 # Process-wide Megatron switches Megatron-LM's initialisation applies (megatron.core.config.set_experimental_flag,
 # megatron.core.jit.disable_jit_fuser), and get_megatron_optimizer's dump of each parameter's group.
 # How the model is built (relax.backends.megatron.model.build_gpt_model): Megatron's --spec and --transformer-impl
@@ -90,13 +102,14 @@ CHECKPOINT: frozenset[str] = frozenset({"no_save_rng", "no_load_rng"})
 # Checked before Ray (relax.config.rules_training.check_exit_on_missing_checkpoint), not passed to the trainer.
 CONFIG_ONLY: frozenset[str] = frozenset({"exit_on_missing_checkpoint"})
 # Checks after each optimizer step (relax.backends.megatron.megatron_options.check_weight_hashes).
-STEP: frozenset[str] = frozenset({"check_weight_hash_across_dp_replicas_interval"})
+# --distributed-timeout-seconds-after-init: every process group's timeout once the first optimizer step is done.
+STEP: frozenset[str] = frozenset({"check_weight_hash_across_dp_replicas_interval", "distributed_timeout_seconds_after_init"})
 PROCESS: frozenset[str] = frozenset({"enable_experimental", "disable_jit_fuser", "dump_param_to_param_group_map"})
 
 # The --flag of each option whose name is not its dest's (for the messages of a trainer rank, which has no parser).
 FLAG_NAMES: dict[str, str] = {
     "fp8": "--fp8-format", "fp4": "--fp4-format", "fp4_param": "--fp4-param-gather", "fp8_wgrad": "--no-fp8-wgrad",
-    "pin_cpu_grads": "--no-pin-cpu-grads", "pin_cpu_params": "--no-pin-cpu-params",
+    "pin_cpu_grads": "--no-pin-cpu-grads", "pin_cpu_params": "--no-pin-cpu-params", "nccl_ub": "--use-nccl-ub",
 }
 GPU_OPTIONS: frozenset[str] = TRANSFORMER_GPU | OPTIMIZER_GPU | frozenset(DDP_GPU) | PARALLEL_GPU
 CPU_OPTIONS: frozenset[str] = (TRANSFORMER | PIPELINE | TRANSFORMER_MOE | OPTIMIZER | frozenset(DDP) | SCHEDULER | PARALLEL
@@ -173,6 +186,31 @@ OPTION_HELP: dict[str, str] = {
     "enable_experimental": "Enable experimental features.",
     "disable_jit_fuser": "Disable the JIT fuser.",
     "dump_param_to_param_group_map": "Path to a file to dump parameter to param group map.",
+    "overlap_param_gather": ("If set, overlap param all-gather in distributed optimizer (needs "
+                             "--use-distributed-optimizer and --overlap-grad-reduce; Relax finishes the gather before "
+                             "it exports, saves or copies the weights)."),
+    "align_param_gather": ("If not set, all PP stages will launch param all-gathers simultaneously. Otherwise, each PP "
+                           "stage will independently launch as needed (Relax runs no interleaved pipeline schedule: "
+                           "--no-align-param-gather makes the wait for each bucket's all-gather start the next "
+                           "bucket's; by default each bucket's starts when its first layer runs)."),
+    "check_for_large_grads": ("Check for unexpectedly large grads (Relax runs Megatron's rerun state machine "
+                              "disabled: a bucket's local gradient norm over 10x the largest of its first 100 checks "
+                              "is logged as a warning before the reduce, and the step goes on)."),
+    "num_distributed_optimizer_instances": ("Number of Distributed Optimizer copies across Data Parallel domain "
+                                            "(needs --use-distributed-optimizer; it must divide the data-parallel "
+                                            "size)."),
+    "nccl_ub": ("Use the userbuffer registration for DP/FSDP communication buffers. This option will reduce GPU SM "
+                "usage for the DP/FSDP communication, which is improving the performance of the overlapped "
+                "computation."),
+    "disable_symmetric_registration": ("Disable symmetric (window) registration for NCCL userbuffer registration. "
+                                       "This option will force to use conventional (local) userbuffer registration "
+                                       "when use-nccl-ub is set."),
+    "create_all_gather_group": ("Create a separate process group for all-gather operations to overlap "
+                                "reduce-scatter and all-gather operations."),
+    "distributed_timeout_seconds_after_init": ("Timeout in seconds for process groups after initialization. This "
+                                               "timeout is applied to all process groups after initialization and "
+                                               "the first iteration completes (Relax: the trainer's first optimizer "
+                                               "step of the run)."),
     "align_grad_reduce": (
         "If not set, all PP stages will launch gradient reduces simultaneously. Otherwise, each PP stage will "
         "independently launch as needed."),

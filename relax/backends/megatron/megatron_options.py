@@ -3,6 +3,7 @@ the fields of each object, from `TrainerSettings.megatron_options`."""
 
 from __future__ import annotations
 
+import datetime
 import importlib
 import inspect
 from typing import Any, Callable, Iterable, Optional
@@ -10,9 +11,11 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from megatron.core.config import set_experimental_flag
 from megatron.core.jit import disable_jit_fuser
+from megatron.core.parallel_state import update_pg_timeout
 from megatron.core.transformer.spec_utils import ModuleSpec, import_module
 from megatron.core.utils import check_param_hashes_across_dp_replicas
 
+from relax.backends.megatron.optim import gather_params
 from relax.config.megatron_options import (
     DDP,
     DDP_GPU,
@@ -184,9 +187,21 @@ def call_provider(provider: Callable, *, config: Any, arch: Any, pre_process: bo
     return provider(**kwargs)
 
 
-def check_weight_hashes(model: Any, iteration: int, options: Iterable[tuple[str, Any]]) -> None:
-    """--check-weight-hash-across-dp-replicas-interval N: every N optimizer steps, the weights of every data-parallel
-    replica must hash the same (Megatron's check_param_hashes_across_dp_replicas, collective over the ranks)."""
+def after_optimizer_step(model: Any, iteration: int, options: Iterable[tuple[str, Any]], success: bool) -> None:
+    """Megatron-LM's checks and settings after an optimizer step (`success`: the update was applied).
+
+    --check-weight-hash-across-dp-replicas-interval N: every N optimizer steps, the weights of every data-parallel
+    replica must hash the same (Megatron's check_param_hashes_across_dp_replicas, collective over the ranks; the
+    overlapped param all-gather is finished first). --distributed-timeout-seconds-after-init S: once the first step
+    applied in this process (a resumed run's too, as Megatron-LM's start_iteration + 1), every process group's timeout
+    becomes S seconds (Megatron's update_pg_timeout; the first step, which builds the communicators and buckets, runs
+    under --distributed-timeout-minutes)."""
     every = option(options, "check_weight_hash_across_dp_replicas_interval")
-    if every and iteration % every == 0 and not check_param_hashes_across_dp_replicas([model], cross_check=True):
-        raise RuntimeError(f"the weights differ across data-parallel replicas after optimizer step {iteration}")
+    if every and iteration % every == 0:
+        gather_params(model)
+        if not check_param_hashes_across_dp_replicas([model], cross_check=True):
+            raise RuntimeError(f"the weights differ across data-parallel replicas after optimizer step {iteration}")
+    seconds = option(options, "distributed_timeout_seconds_after_init")
+    if success and seconds is not None and not getattr(model, "_timeout_after_init_set", False):
+        update_pg_timeout(datetime.timedelta(seconds=seconds))
+        model._timeout_after_init_set = True

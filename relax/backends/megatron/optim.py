@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["wrap_ddp", "build_optimizer", "build_scheduler"]
+__all__ = ["wrap_ddp", "gather_params", "build_optimizer", "build_scheduler"]
 
 # Megatron's own GPU optimizer features, switched on by their flags (relax.config.support_gpu)
 OPTIMIZER_GPU_FEATURES = ("optimizer_cpu_offload", "overlap_cpu_optimizer_d2h_h2d", "use_precision_aware_optimizer",
@@ -27,6 +27,9 @@ def wrap_ddp(model: torch.nn.Module, transformer_config, *, use_distributed_opti
     `num_buckets` (--ddp-num-buckets) sets the bucket size to the model's parameter count over it, as Megatron-LM.
     `broadcast_params` (--data-parallel-random-init): every data-parallel rank takes the first one's weights, as
     Megatron-LM does after initialising each with its own seed.
+    `align_param_gather` is on unless --no-align-param-gather, as Megatron-LM's default; with
+    `overlap_param_gather` the schedules get DDP's start_param_sync as Megatron-LM sets it (only the interleaved
+    schedule calls it, which Relax does not run), and the weights are complete only after `gather_params`.
     """
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -43,6 +46,7 @@ def wrap_ddp(model: torch.nn.Module, transformer_config, *, use_distributed_opti
         "overlap_grad_reduce": False,
         "use_distributed_optimizer": use_distributed_optimizer,
         "check_for_nan_in_grad": False,
+        "align_param_gather": True,
         **ddp_overrides,
     })
     wrapped = DistributedDataParallel(
@@ -55,7 +59,22 @@ def wrap_ddp(model: torch.nn.Module, transformer_config, *, use_distributed_opti
         transformer_config.no_sync_func = wrapped.no_sync
         if align_grad_reduce:
             transformer_config.grad_sync_func = wrapped.start_grad_sync
+    if ddp_config.overlap_param_gather and ddp_config.align_param_gather:
+        transformer_config.param_sync_func = wrapped.start_param_sync
     return wrapped
+
+
+def gather_params(ddp_model) -> None:
+    """Finish the distributed optimizer's param all-gather of --overlap-param-gather (a no-op without it).
+
+    With the overlap, an optimizer step updates only this rank's shard of each bucket; the other shards arrive
+    by the all-gather that DDP's forward pre-hooks start and wait for in the next forward pass. Whatever reads the
+    weights outside a forward pass (the export to the engines, checkpoints, weight copies, the replica hash check)
+    calls this first: each bucket's all-gather is started where the step left it undone, and waited for."""
+    if not getattr(ddp_model, "use_forward_hook", False):
+        return
+    for group in ddp_model.bucket_groups + ddp_model.expert_parallel_bucket_groups:
+        group.finish_param_sync(skip_next_bucket_dispatch=True)
 
 
 def build_optimizer(

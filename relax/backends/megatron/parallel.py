@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import random
+import socket
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -19,6 +20,7 @@ from relax.backends.megatron.cpu_compat import apply_cpu_compat
 
 __all__ = [
     "ParallelLayout",
+    "free_port",
     "init_distributed",
     "init_model_parallel",
     "seed_all",
@@ -50,6 +52,13 @@ class ParallelLayout:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (the rendezvous of a one-rank group)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def init_distributed(

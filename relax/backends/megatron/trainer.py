@@ -10,7 +10,6 @@ own samples.
 from __future__ import annotations
 
 import re
-import socket
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from functools import partial
@@ -41,7 +40,7 @@ from relax.backends.megatron.layer_options import layer_fields, recompute_granul
 from relax.backends.megatron.logprobs import token_logprobs
 from relax.backends.megatron.megatron_options import (
     apply_process_options,
-    check_weight_hashes,
+    after_optimizer_step,
     local_layers,
     model_builders,
     option,
@@ -53,8 +52,8 @@ from relax.backends.megatron.megatron_options import (
     transformer_fields,
 )
 from relax.backends.megatron.model import build_gpt_model
-from relax.backends.megatron.optim import build_optimizer, build_scheduler, wrap_ddp
-from relax.backends.megatron.parallel import ParallelLayout, init_distributed, init_model_parallel
+from relax.backends.megatron.optim import build_optimizer, build_scheduler, gather_params, wrap_ddp
+from relax.backends.megatron.parallel import ParallelLayout, free_port, init_distributed, init_model_parallel
 from relax.backends.megatron import response_positions as positions
 
 __all__ = ["TrainerSettings", "LossFn", "MegatronTrainer", "step_shares"]
@@ -205,12 +204,6 @@ def _native_step(step_fn, mb: MicroBatch, output: torch.Tensor):
         return step_fn(mb, output)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class MegatronTrainer:
     """A Megatron-core GPT model with its optimizer, on this rank.
 
@@ -228,7 +221,7 @@ class MegatronTrainer:
             raise NotImplementedError("context parallelism with pipeline parallelism is not supported by "
                                       "MegatronTrainer yet")
         if not dist.is_initialized():
-            init_distributed(0, 1, "127.0.0.1", _free_port())
+            init_distributed(0, 1, "127.0.0.1", free_port())
         self.settings = settings
         self.layout: ParallelLayout = init_model_parallel(
             settings.tp, settings.pp, settings.cp, settings.ep, settings.etp, seed=settings.seed,
@@ -363,6 +356,7 @@ class MegatronTrainer:
 
     def model_state(self) -> dict[str, Any]:
         """This rank's model shard (CPU tensors), for `set_model_state` of a peer with the same layout."""
+        gather_params(self.model)  # --overlap-param-gather: the other ranks' shards of the last step
         state = unwrap_model(self.model).state_dict()
         return {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
 
@@ -387,6 +381,7 @@ class MegatronTrainer:
     def export_hf_weights(self, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) for this pipeline stage; collective over TP (iterate fully)."""
         apply_cpu_compat()
+        gather_params(self.model)
         return export_hf_weights(self.model, self.arch, dtype=dtype)
 
     # ------------------------------------------------------------------ #
@@ -695,7 +690,7 @@ class MegatronTrainer:
         if success:
             self.scheduler.step(increment=1)
             self.iteration += 1
-        check_weight_hashes(self.model, self.iteration, self.settings.megatron_options)
+        after_optimizer_step(self.model, self.iteration, self.settings.megatron_options, success)
         metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), lr=lr,
                        skipped=0.0 if success else 1.0, loss_scale=float(self.optimizer.get_loss_scale().item()))
         return metrics
@@ -767,6 +762,7 @@ class MegatronTrainer:
     def save_checkpoint(self, path: str | Path) -> Path:
         """Write model, optimizer, scheduler and RNG state (collective, atomic)."""
         apply_cpu_compat()
+        gather_params(self.model)
         return save_checkpoint(
             path,
             model=self.model,
