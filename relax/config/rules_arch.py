@@ -29,6 +29,8 @@ _CHECKED = " With --hf-checkpoint it must agree with the model's config.json (ch
 
 # What each honoured architecture flag means (Megatron's meaning), for `relax-train --help`: the flags of
 # relax.config.support_training.ARCH_FEATURES. The flags of features no supported model has are not honoured.
+# GLM4's --post-self-attn-layernorm and --post-mlp-layernorm are Relax's own (Megatron-LM has no such flags): their
+# help is where they are defined (relax.config.flags.misc).
 ARCH_FLAG_HELP: dict[str, str] = {
     "num_layers": "Number of transformer layers." + _CHECKED,
     "hidden_size": "Width of the transformer's hidden states." + _CHECKED,
@@ -54,10 +56,6 @@ ARCH_FLAG_HELP: dict[str, str] = {
     "rotary_interleaved": "Rotate interleaved pairs of dims (2i, 2i+1) instead of the two halves of the head. GLM4 "
                           "models only: Relax builds it with --post-self-attn-layernorm and --post-mlp-layernorm, as "
                           "HF's Glm4ForCausalLM computes it." + _CHECKED,
-    "post_self_attn_layernorm": "RMSNorm on the self-attention's output before the residual add (GLM4 models; "
-                                "with --post-mlp-layernorm and --rotary-interleaved)." + _CHECKED,
-    "post_mlp_layernorm": "RMSNorm on the MLP's output before the residual add (GLM4 models; with "
-                          "--post-self-attn-layernorm and --rotary-interleaved)." + _CHECKED,
     "use_rope_scaling": "Llama-3.1-style RoPE frequency scaling." + _CHECKED,
     "rope_scaling_factor": "Factor of the Llama-3.1-style RoPE scaling (used with --use-rope-scaling)." + _CHECKED,
     "max_position_embeddings": "Longest sequence the position embedding is built for (unset: --seq-length)."
