@@ -167,6 +167,7 @@ class _FakeController:
                                       num_iters_per_train_update=1)
         self.deadlines = SimpleNamespace(control_s=5.0, train_s=5.0)
         self.start_step, self.workers, self.aux, self.engine_urls = 0, [], None, []
+        self.stages = SimpleNamespace(ahead=lambda: ())
         self.push_fails = push_fails
 
     def _rollout_call(self, method, action, step, *args):
@@ -197,3 +198,51 @@ def test_weight_push_pauses_every_engine_in_place_and_continues(monkeypatch, pus
     assert names[3] == "push_weights" and EVENTS[3][1] == 5  # version step + 1
     assert names[-2:] == ["continue", "continue"]
     assert ("weights_pushed" in names) != push_fails
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 2])
+def test_prepare_runs_each_step_once_in_order_and_ahead_of_training(max_staleness):
+    """run_window(prepare=...) (the reference and teacher passes, relax.core.stages.Stages.ahead): a third thread
+    prepares each generated step in order, `train` gets what `prepare` returned, and with staleness >= 1 the
+    next step is prepared while the current one trains."""
+    lock = threading.Lock()
+    log = []
+    prepared_next = threading.Event()
+
+    def prepare(step, ids):
+        with lock:
+            log.append(("prepared", step))
+        if step == 1:
+            prepared_next.set()
+        return {"ids": ids, "prepared": step}
+
+    def train(step, result):
+        assert result == {"ids": list(range(step * PER_STEP, (step + 1) * PER_STEP)), "prepared": step}
+        if step == 0 and max_staleness:  # step 1 may generate now, and its passes run while step 0 trains
+            assert prepared_next.wait(5), "step 1 was not prepared while step 0 trained"
+        with lock:
+            log.append(("trained", step))
+
+    run_window(StalenessWindow(0, 6, max_staleness),
+               lambda step: list(range(step * PER_STEP, (step + 1) * PER_STEP)), train, prepare=prepare)
+    assert [s for kind, s in log if kind == "prepared"] == list(range(6))
+    assert [s for kind, s in log if kind == "trained"] == list(range(6))
+    for step in range(6):
+        assert log.index(("prepared", step)) < log.index(("trained", step))
+    if max_staleness:
+        assert log.index(("prepared", 1)) < log.index(("trained", 0))
+
+
+def test_prepare_failure_stops_the_loop_and_is_raised():
+    started = []
+
+    def prepare(step, result):
+        if step == 2:
+            raise ValueError("reference role gone at step 2")
+        return result
+
+    window = StalenessWindow(0, 10, 1)
+    with pytest.raises(ValueError, match="reference role gone at step 2"):
+        run_window(window, lambda step: started.append(step) or step, lambda step, _: time.sleep(0.02),
+                   prepare=prepare)
+    assert window.stopping and max(started) <= 3

@@ -3,11 +3,16 @@ it returns, and that a stage whose role the run does not have calls nothing; and
 relax.core does not import relax.training."""
 
 import ast
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
+from relax.core.deadlines import RoleFailure
 from relax.core.roles import AuxRoles
-from relax.core.stages import Stages
+from relax.core.stages import Stages, run_group
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,3 +90,62 @@ def test_core_does_not_import_training():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n == "relax.training" or n.startswith("relax.training.") for n in names), path.name
+
+
+def test_plan_groups_the_passes_that_read_only_the_rollout():
+    stages = _stages([])
+    plan = [tuple(s.__name__ for s in group) for group in stages.plan()]
+    assert plan == [("reference_logprobs", "teacher_logprobs", "critic_values", "actor_forward"), ("advantages",),
+                    ("actor_update",), ("reference_refresh",), ("critic_update",)]
+    lean = _stages([], reference=False, critic=False, teacher=False)
+    assert [g[0].__name__ for g in lean.plan()][:2] == ["actor_forward", "advantages"]
+    assert len(lean.plan()[0]) == 1
+    # the in-trainer reference only starts its pass on the actor's ranks: alone, before the forward stage
+    lean.aux.reference_in_trainer = True
+    assert [tuple(s.__name__ for s in g) for g in lean.plan()][:2] == [("reference_logprobs",), ("actor_forward",)]
+
+
+def test_run_group_runs_its_stages_at_the_same_time_and_merges_in_order():
+    barrier = threading.Barrier(3, timeout=10)  # passes only when all three stages are inside at once
+
+    def stage(name):
+        def run(step):
+            barrier.wait()
+            return {f"{name}/step": float(step), "shared": name}
+        run.__name__ = name
+        return run
+
+    out = run_group((stage("a"), stage("b"), stage("c")), 4)
+    assert out == {"a/step": 4.0, "b/step": 4.0, "c/step": 4.0, "shared": "c"}
+
+
+def test_run_group_waits_for_every_stage_then_raises_the_first_error_in_order():
+    finished = []
+
+    def slow_ok(step):
+        time.sleep(0.3)
+        finished.append("slow_ok")
+        return {}
+
+    def fails_first(step):
+        raise ValueError("reference pass failed")
+
+    def fails_last(step):
+        raise KeyError("forward failed")
+
+    with pytest.raises(RoleFailure, match="reference pass failed"):
+        run_group((fails_first, slow_ok, fails_last), 0)
+    assert finished == ["slow_ok"]
+    with pytest.raises(KeyError, match="forward failed"):  # the caller's own stage raises as itself
+        run_group((slow_ok, fails_last), 0)
+
+
+def test_ahead_stages_are_the_frozen_models_passes_and_leave_the_plan():
+    stages = _stages([])
+    ahead = stages.ahead()
+    assert [s.__name__ for s in ahead] == ["reference_logprobs", "teacher_logprobs"]
+    assert [s.__name__ for s in stages.plan(without=ahead)[0]] == ["critic_values", "actor_forward"]
+    # a reference refreshed from the actor must wait for the step before's refresh; the critic always does
+    refreshed = _stages([], interval=2)
+    assert [s.__name__ for s in refreshed.ahead()] == ["teacher_logprobs"]
+    assert _stages([], reference=False, teacher=False).ahead() == ()

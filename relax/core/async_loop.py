@@ -1,14 +1,17 @@
 """Fully-async training (--fully-async, --max-staleness S): the rollout runs ahead of training, bounded.
 
-The same stages as the synchronous loop (relax.core.stages, one implementation for both modes), run in two
+The same stages as the synchronous loop (relax.core.stages, one implementation for both modes), run in three
 threads of the driver instead of one after the other:
 
 * the rollout thread calls the rollout manager's `generate(N)` for N = first step, N+1, ... one step at a time
   (the manager's data source and sample counter advance in step order), and starts step N only while
   N minus the oldest unconsumed step is at most S (`StalenessWindow`; S = 0 is strict alternation, which is
   the synchronous schedule);
-* the training thread (the caller's) takes the oldest generated step, runs its stages (reference / teacher
-  log-probs, critic values, old log-probs, advantages, updates), clears its partition, pushes the weights
+* the passes thread takes each generated step in order and runs the stages of frozen models in roles of their
+  own (`Stages.ahead`: the reference's and the teacher's log-probs) as soon as it is stored, so that step
+  N+1's reference pass runs while step N trains (with S >= 1);
+* the training thread (the caller's) takes the oldest prepared step, runs its other stages (`Stages.plan`:
+  critic values and old log-probs at once, advantages, updates), clears its partition, pushes the weights
   and only then marks the step consumed, which opens the window for the next rollout step.
 
 Weight push while generation is in flight: every engine of the push is paused first
@@ -27,6 +30,8 @@ Metrics of each step, besides the synchronous ones:
 * `async/index_min`, `async/index_max`, `async/num_indexes`: the sample indexes the step trains (the run's
   accounting: consecutive steps tile the indexes, none twice).
 * `async/rollout_start`, `async/rollout_end`, `async/train_start`, `async/train_end`: wall-clock times.
+* `async/ahead_lead_time`: how long before the step's training began its reference / teacher passes ended
+  (positive: they ran while an earlier step trained).
 
 Checkpoints (--save): a checkpoint after step N holds the trainer after N+1 updates and the rollout position
 as it was when step N's generation ended (kept by the rollout thread before it starts step N+1). Steps
@@ -61,6 +66,7 @@ from relax.backends.engine_client import EngineClient
 from relax.core.calls import POLL_S, run_bounded
 from relax.core.checkpointing import save_checkpoint
 from relax.core.deadlines import FLAGS, Call, RoleFailure
+from relax.core.stages import run_group
 from relax.core.streaming import train_chunks
 from relax.observability import timeline
 from relax.observability.accounting import step_problems
@@ -83,6 +89,7 @@ class StalenessWindow:
         self._oldest = start  # the oldest unconsumed step
         self._next = start  # the next step the rollout starts
         self._finished: dict[int, Any] = {}
+        self._prepared: dict[int, Any] = {}  # results of the passes run ahead of training (run_window's prepare)
         self._chunks: dict[tuple[int, int], Any] = {}  # (step, chunk) -> a stored chunk (--num-iters-per-train-update)
         self._error: BaseException | None = None
         self._stopping = False
@@ -132,6 +139,23 @@ class StalenessWindow:
                 self._cond.wait(POLL_S)
             return self._finished.pop(step)
 
+    def prepared(self, step: int, result: Any) -> None:
+        """Step `step`'s passes that run ahead of training are done (`run_window`'s `prepare`)."""
+        with self._cond:
+            self._prepared[step] = result
+            self._cond.notify_all()
+
+    def wait_prepared(self, step: int) -> Any:
+        """The result of `prepare` for step `step`; raises the rollout's or the passes' error."""
+        with self._cond:
+            while step not in self._prepared:
+                if self._error is not None:
+                    raise self._error
+                if self._stopping:
+                    raise RuntimeError("the async loop stopped")
+                self._cond.wait(POLL_S)
+            return self._prepared.pop(step)
+
     def chunk_finished(self, step: int, chunk: int, result: Any) -> None:
         with self._cond:
             self._chunks[(step, chunk)] = result
@@ -171,12 +195,15 @@ class _Stopped(Exception):
 
 
 def run_window(window: StalenessWindow, generate: Callable[[int], Any], train: Callable[[int, Any], None],
-               *, join_s: float = 5.0, streaming: bool = False) -> None:
+               *, join_s: float = 5.0, streaming: bool = False,
+               prepare: Callable[[int, Any], Any] | None = None) -> None:
     """Drive the window: a rollout thread calls `generate(step)` in step order within the bound, the caller's
-    thread calls `train(step, result)` for each step in order and then marks it consumed. An error of either
-    side stops both and is raised here (`generate` should poll `window.stopping` while it waits).
+    thread calls `train(step, result)` for each step in order and then marks it consumed. An error of any
+    thread stops them all and is raised here (`generate` should poll `window.stopping` while it waits).
     `streaming`: `train(step, None)` is called as soon as the step may train, before its rollout has finished;
-    it waits for the step's chunks (`wait_chunk`) and result (`wait_finished`) itself."""
+    it waits for the step's chunks (`wait_chunk`) and result (`wait_finished`) itself.
+    `prepare`: a third thread takes each generated step in order, calls `prepare(step, result)` (the passes
+    that may run while earlier steps train) and hands its return value to `train` instead of the rollout's."""
 
     def feed() -> None:
         try:
@@ -189,15 +216,31 @@ def run_window(window: StalenessWindow, generate: Callable[[int], Any], train: C
         except BaseException as exc:  # handed to the training thread, which raises it
             window.failed(exc)
 
-    thread = threading.Thread(target=feed, name="relax-async-rollout", daemon=True)
-    thread.start()
+    def ahead() -> None:
+        try:
+            for step in range(window.start, window.stop):
+                window.prepared(step, prepare(step, window.wait_finished(step)))
+        except BaseException as exc:
+            if not window.stopping:
+                window.failed(exc)
+
+    threads = [threading.Thread(target=feed, name="relax-async-rollout", daemon=True)]
+    if prepare is not None and not streaming:
+        threads.append(threading.Thread(target=ahead, name="relax-async-ahead", daemon=True))
+    for thread in threads:
+        thread.start()
     try:
         for step in range(window.start, window.stop):
-            train(step, None if streaming else window.wait_finished(step))
+            if streaming:
+                result = None
+            else:
+                result = window.wait_prepared(step) if len(threads) > 1 else window.wait_finished(step)
+            train(step, result)
             window.consumed(step)
     finally:
         window.stop_all()
-        thread.join(join_s)  # a rollout call that does not stop is left to the shutdown (actors killed)
+        for thread in threads:
+            thread.join(join_s)  # a call that does not stop is left to the shutdown (actors killed)
 
 
 class _RolloutPosition:
@@ -230,6 +273,9 @@ class AsyncLoop:
         self.window = StalenessWindow(controller.start_step, self.c.num_rollout, int(self.c.max_staleness))
         self._ckpt = _CheckpointView(controller)
         self.chunks = int(self.c.num_iters_per_train_update or 1)  # > 1: each step streams in chunks
+        # the passes of frozen models in roles of their own run as soon as a step is generated, beside the
+        # training of earlier steps (relax.core.stages.Stages.ahead); a streamed step trains as it arrives
+        self.ahead = controller.stages.ahead() if self.chunks == 1 else ()
 
     # ------------------------------------------------------------------ the rollout thread
     def generate(self, step: int) -> dict[str, Any]:
@@ -267,6 +313,13 @@ class AsyncLoop:
         ctl._in_flight_async = []
         return ray.get(ref)
 
+    # ------------------------------------------------------------------ the passes ahead of training
+    def prepare(self, step: int, rollout: dict[str, Any]) -> dict[str, Any]:
+        """Step `step`'s `ahead` stages, on their own thread (run_window's `prepare`), once its rollout is
+        stored; their metrics travel with the rollout's to the training thread."""
+        metrics = run_group(self.ahead, step)
+        return {**rollout, "ahead": metrics, "ahead_end": time.time()}
+
     # ------------------------------------------------------------------ the training thread
     def train(self, step: int, rollout: dict[str, Any] | None) -> None:
         ctl, c = self.ctl, self.c
@@ -278,14 +331,16 @@ class AsyncLoop:
             rollout = self.window.wait_finished(step)
             trained["async/first_chunk_lead_time"] = rollout["end"] - trained["async/first_chunk_train_start"]
         metrics = dict(rollout["metrics"])
+        if "ahead" in rollout:  # > 0: the passes ended before this step's training began
+            metrics.update(rollout["ahead"])
+            metrics["async/ahead_lead_time"] = train_start - rollout["ahead_end"]
         metrics["data/step_samples"] = float(ctl._data_call("count the step's samples", step, ctl.data.size))
         metrics.update(ctl._data_call("read the step's weight versions", step, self._version_metrics))
         will_sync = (step + 1) % c.update_weights_interval == 0 and not (c.debug_rollout_only or c.debug_train_only)
         metrics.update(trained)
         if not c.debug_rollout_only and self.chunks == 1:
-            for stage in train_stages(ctl.stages):
-                with timeline.span(stage.__name__, step=step, cat="train"):
-                    metrics.update(stage(step))
+            for group in ctl.stages.plan(without=self.ahead):  # the synchronous loop's stages (relax.core.stages)
+                metrics.update(run_group(group, step))
         # what the rollout had started beyond this step while it trained
         metrics["async/queue_depth"] = float(self.window.queue_depth())
         t1 = time.perf_counter()
@@ -370,12 +425,8 @@ class AsyncLoop:
             before = ctl._rollout_call("evaluate", "evaluation", ctl.start_step, ctl.start_step)
             ctl.metrics.log(ctl.start_step, {**before, "eval/before_train": 1.0})
         logger.info("fully-async: rollout up to %d step(s) ahead of training", c.max_staleness)
-        run_window(self.window, self.generate, self.train, streaming=self.chunks > 1)
+        run_window(self.window, self.generate, self.train, streaming=self.chunks > 1,
+                   prepare=self.prepare if self.ahead else None)
         if ctl.accounting.steps:
             logger.info("%s (%s)", ctl.accounting.summary_line(), ctl.accounting.write(c.output_dir))
 
-
-def train_stages(stages: Any) -> tuple[Callable[[int], dict[str, float]], ...]:
-    """The stages after the rollout, in the synchronous loop's order (relax.core.controller._loop)."""
-    return (stages.reference_logprobs, stages.teacher_logprobs, stages.critic_values, stages.actor_forward,
-            stages.advantages, stages.actor_update, stages.reference_refresh, stages.critic_update)

@@ -40,7 +40,7 @@ from relax.core.run_control import RunControl
 from relax.core.placement import (cluster_has_gpus, colocated_bundles, create_placement_group, role_bundles,
                                   trainer_gpus)
 from relax.core.roles import AuxRoles, build_aux_roles, launch_aux_groups
-from relax.core.stages import Stages
+from relax.core.stages import Stages, run_group
 from relax.data.plane import DataPlane
 from relax.observability.accounting import RunAccounting, step_problems
 from relax.observability import timeline
@@ -212,17 +212,11 @@ class Controller:
                 # engines release, trainer reloads
                 metrics.update(self._colocate("release engines, reload trainer", step,
                                               lambda: self.colocate.before_train(step, will_sync)))
-                # the step's stages, each writing its per-sample rows into the step's partition
-                for stage in (self.stages.reference_logprobs,  # ref_logprobs
-                              self.stages.teacher_logprobs,  # teacher_logprobs
-                              self.stages.critic_values,  # values
-                              self.stages.actor_forward,  # old_logprobs
-                              self.stages.advantages,  # advantages, returns
-                              self.stages.actor_update,
-                              self.stages.reference_refresh,  # every --ref-update-interval steps
-                              self.stages.critic_update) if not skipped else ():
-                    with timeline.span(stage.__name__, step=step, cat="train"):
-                        metrics.update(stage(step))
+                # the step's stages, each writing its per-sample rows into the step's partition (relax.core.stages:
+                # ref_logprobs, teacher_logprobs, values and old_logprobs at once; then advantages and returns;
+                # the update; the reference refresh every --ref-update-interval steps; the critic's update)
+                for group in self.stages.plan() if not skipped else ():
+                    metrics.update(run_group(group, step))
             t2 = time.perf_counter()
             # the step's partition is freed while the weights are pushed (the next step writes its own partition);
             # waited for before the step ends, so a failure still names this step
