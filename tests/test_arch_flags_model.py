@@ -47,3 +47,39 @@ def test_flags_model_with_hf_weights_matches_the_hf_model_and_trains(tmp_path):
     samples = toy_samples(4, seed=2, vocab=300)
     metrics = from_flags.train_step(samples, toy_pg_loss)
     assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)), metrics
+
+
+def test_llama31_rope_scaling_flags_compute_hfs_rope_scaling(tmp_path):
+    # --use-rope-scaling --rope-scaling-factor 8 is HF's rope_scaling of rope_type llama3 (Megatron fixes the other
+    # llama3 parameters at Llama 3.1's: low/high frequency factors 1 and 4, 8192 original positions). With theta
+    # 10000 and 16-dim heads the two lowest frequencies are scaled, so the logits tell scaled from unscaled RoPE.
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from relax.backends.megatron.arch import to_transformer_config
+    from relax.backends.megatron.hf_weights import load_hf_weights
+    from relax.backends.megatron.model import build_gpt_model
+
+    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
+                         rope_theta=10000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                           "high_freq_factor": 4.0,
+                                                           "original_max_position_embeddings": 8192})
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # random weights of the size build_random_tiny_model gives (HF's init is near zero)
+        for name, param in hf.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            param.copy_(1.0 + 0.2 * noise if name.endswith("norm.weight") else 0.3 * noise)
+    arch = ModelArch.from_hf_config(config)
+    flags = {**arch.to_flags(), "hf_checkpoint": None}
+    assert flags["use_rope_scaling"] and flags["rope_scaling_factor"] == 8.0 and arch_for_run(flags) == arch
+    ids = torch.randint(0, 320, (1, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        out = {}
+        for name, a in (("scaled", arch), ("unscaled", ModelArch.from_flags({**flags, "use_rope_scaling": False}))):
+            model = build_gpt_model(a, to_transformer_config(a)).eval()
+            load_hf_weights(model, a, hf.state_dict())
+            out[name] = model(ids, torch.arange(64).unsqueeze(0), None)
+    diffs = {name: (logits - ref).abs().max().item() for name, logits in out.items()}
+    assert diffs["scaled"] < 1e-4 and diffs["unscaled"] > 100 * diffs["scaled"], diffs
