@@ -83,3 +83,17 @@ def test_dry_run_says_whether_the_actor_forward_pass_runs(tmp_path, flags, line)
 
     text = explain(parse_config(["--output-dir", str(tmp_path), *flags]))
     assert line in text, text
+
+
+def test_resource_keys_whose_stage_runs_on_the_actor_are_accepted_with_a_warning(tmp_path):
+    """--resource actor_fwd / advantages (the reference's launch scripts set them): those stages run on the
+    actor's ranks, so the entries place nothing; the dry run and a real run's start say so."""
+    from relax.config.support import resource_warnings
+
+    resource = '{"actor": [1, 1], "rollout": [1, 1], "actor_fwd": [1, 1], "advantages": [1, 1]}'
+    proc = relax_cli("--dry-run", "--output-dir", str(tmp_path), "--resource", resource)
+    assert proc.returncode == 0, proc.stderr
+    assert "accepted, --resource actor_fwd [1, 1]: no effect; the actor's forward pass" in proc.stdout
+    assert "accepted, --resource advantages [1, 1]: no effect" in proc.stdout
+    config = parse_config(["--output-dir", str(tmp_path), "--resource", '{"actor": [1, 1], "rollout": [1, 1]}'])
+    assert resource_warnings(config) == []

@@ -46,6 +46,9 @@ def test_streaming_chunks_are_accepted_where_exact(streaming):
     config = parse_config(streaming)
     assert config.num_iters_per_train_update == 2 and config.global_batch_size == 8
     assert unsupported_flags(config) == []
+    # a KL loss or KL reward: the reference role computes each chunk's log-probs (relax.core.streaming)
+    for kl in (["--use-kl-loss", "--kl-loss-coef", "0.01"], ["--kl-coef", "0.01"]):
+        assert unsupported_flags(parse_config(streaming + kl)) == []
     assert parse_config(BASE).num_iters_per_train_update == 1  # the unchunked step by default
 
 
@@ -53,7 +56,7 @@ def test_streaming_chunks_are_accepted_where_exact(streaming):
     (["--num-iters-per-train-update", "3"], r"--num-iters-per-train-update 3 must divide --rollout-batch-size \(4\)"),
     (["--num-steps-per-rollout", "2"], r"needs one optimizer step per rollout step \(--num-steps-per-rollout 1.*"
                                        "old log-probs would be computed after an optimizer step"),
-    (["--use-kl-loss"], "cannot be combined with --use-kl-loss: the reference model's log-probs"),
+    (["--use-opd", "--opd-type", "megatron", "--opd-teacher-load", "t"], "cannot be combined with --use-opd"),
     (["--advantage-estimator", "ppo"], "cannot be combined with --advantage-estimator ppo"),
     (["--normalize-advantages"], "cannot be combined with --normalize-advantages: whitening"),
     (["--over-sampling-batch-size", "8"], "cannot be combined with --over-sampling-batch-size"),

@@ -115,9 +115,10 @@ def test_streaming_chunks_give_the_unchunked_update(tmp_path):
     """--num-iters-per-train-update 2 (relax.core.streaming): each step arrives in 2 chunks of whole prompt
     groups and the trainer starts on the first while the rollout generates the second. Step 0 (same seed, same
     weights, same samples) gives the unchunked step's loss and grad_norm to float32 round-off; every sample
-    index is trained once; training began before the step's rollout ended."""
+    index is trained once; training began before the step's rollout ended. With the KL loss: the reference
+    role computes each chunk's log-probs before the trainer takes it, and the KL term is the unchunked one."""
     base = ("--num-rollout", "2", "--fully-async", "--max-staleness", "0", "--rollout-batch-size", "4",
-            "--global-batch-size", "16")
+            "--global-batch-size", "16", "--use-kl-loss", "--kl-loss-coef", "0.1", "--kl-loss-type", "low_var_kl")
     whole = run_steps(_config(tmp_path, "k1", *base))
     chunked = run_steps(_config(tmp_path, "k2", *base, "--num-iters-per-train-update", "2"))
     assert [r["step"] for r in chunked] == [0, 1]
@@ -128,6 +129,10 @@ def test_streaming_chunks_give_the_unchunked_update(tmp_path):
     assert chunked[0]["train/loss"] == pytest.approx(whole[0]["train/loss"], rel=1e-5, abs=1e-7)
     assert chunked[0]["train/grad_norm"] == pytest.approx(whole[0]["train/grad_norm"], rel=1e-5)
     assert whole[0]["train/grad_norm"] > 0
+    # step 1 trains a policy moved by step 0's update away from the reference: a KL term that is not 0
+    assert whole[1]["train/kl"] > 0 and chunked[1]["train/kl"] == pytest.approx(whole[1]["train/kl"], rel=1e-5)
+    assert chunked[1]["train/loss"] == pytest.approx(whole[1]["train/loss"], rel=1e-5, abs=1e-7)
+    assert all(r["perf/ref_logprob_time"] > 0 for r in chunked)
     assert _check_indexes(chunked) == 2 * 16
     assert all(r["samples/trained"] == 16 and r["async/num_chunks"] == 2 and r["train/num_chunks"] == 2
                for r in chunked)

@@ -11,7 +11,8 @@ import yaml
 from relax.config.config import Config
 from relax.config.old_policy import old_policy_source
 from relax.config.redact import redact_values
-from relax.config.support import IMPLEMENTED, no_effect_dest, no_effect_flags, no_effect_warnings, unsupported_flags
+from relax.config.support import (IMPLEMENTED, no_effect_dest, no_effect_flags, no_effect_warnings, resource_warnings,
+                                  unsupported_flags)
 from relax.config.support_megatron import refused_groups
 from relax.config.support_gpu import gpu_only_flags
 
@@ -105,6 +106,7 @@ def explain(config: Config) -> str:
         # Their own section: each flag with what has no effect and what Relax does instead (the run warns the same).
         out.append("accepted, no effect in Relax (a real run warns once for each):")
         out.extend("  " + line for line in no_effect_warnings(megatron))
+    out.extend("accepted, " + line for line in resource_warnings(config))
     gpu_only = gpu_only_flags(config)
     if gpu_only:
         out.append("needs a GPU (a run on a machine without one stops before Ray): " + "; ".join(gpu_only))

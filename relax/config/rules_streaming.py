@@ -2,7 +2,8 @@
 relax.core.streaming). K = 1 is the unchunked step. K > 1: the rollout produces each step in K chunks of
 whole prompt groups and the trainer runs its per-sample stages and forward/backward passes on each chunk as it
 arrives, with one optimizer step after the last one. What is built is the slice where that is exactly the
-unchunked step's update; every combination outside it is refused here, naming the flags and why."""
+unchunked step's update (with a KL loss or reward, the reference role computes each chunk's log-probs before
+the trainer takes it); every combination outside it is refused here, naming the flags and why."""
 
 from __future__ import annotations
 
@@ -14,8 +15,6 @@ FLAG = "--num-iters-per-train-update"
 
 # flag dest -> why a chunked step cannot honour it exactly (each is refused with K > 1)
 WHOLE_STEP_FLAGS = {
-    "use_kl_loss": "the reference model's log-probs are computed by the reference role for a whole step",
-    "kl_coef": "the reference model's log-probs are computed by the reference role for a whole step",
     "use_opd": "the teacher's log-probs are computed for a whole step",
     "normalize_advantages": "whitening normalises the advantages over the whole step, not over a chunk",
     "custom_convert_samples_to_train_data_path": "the hook converts a whole step's samples",

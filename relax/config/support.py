@@ -137,6 +137,20 @@ def no_effect_warnings(flags: list[str]) -> list[str]:
     return out
 
 
+# --resource keys of the reference's launch scripts whose stage runs on the actor's ranks, not a role of its own
+RESOURCE_ON_ACTOR = {
+    "actor_fwd": "the actor's forward pass (old log-probs) runs on the actor's ranks",
+    "advantages": "the advantages are computed on the actor's rank 0",
+}
+
+
+def resource_warnings(config: Config) -> list[str]:
+    """One line per --resource entry that places nothing in this run (its stage runs on the actor's ranks)."""
+    res = config.resource or {}
+    return [f"--resource {key} {res[key]}: no effect; {why}, which --resource actor sizes"
+            for key, why in RESOURCE_ON_ACTOR.items() if key in res]
+
+
 def no_effect_warning(flags: list[str]) -> str:
     """`no_effect_warnings` as the text `relax-train` prints after "relax-train: warning: " (one line each)."""
     return "\nrelax-train: warning: ".join(no_effect_warnings(flags))

@@ -101,10 +101,10 @@ class WorkerGroup:
         logger.info("%s: %d rank(s), weights from %s", self.name, world, self.infos[0]["source"])
         return self
 
-    def compute(self, step: int) -> float:
-        """The group's stage of step `step`: every rank writes its share's rows to the data plane. Returns the
-        slowest rank's seconds."""
-        parts = ray.get([w.compute.remote(step) for w in self.workers])
+    def compute(self, step: int, indexes: list[int] | None = None) -> float:
+        """The group's stage of step `step` (of its chunk `indexes` when streamed): every rank writes its share's
+        rows to the data plane. Returns the slowest rank's seconds."""
+        parts = ray.get([w.compute.remote(step, indexes) for w in self.workers])
         return max(p["seconds"] for p in parts)
 
     def save(self, path: str) -> None:

@@ -91,6 +91,15 @@ class Stages:
         return {"perf/ref_logprob_time": self._group("reference", "reference log-probs", step,
                                                      lambda: ref.compute(step))}
 
+    def reference_chunk(self, step: int, indexes: list[int]) -> dict[str, float]:
+        """The reference log-probs of one streamed chunk of step `step` (--num-iters-per-train-update), before the
+        actor trains on it; the reference is a role of its own in fully-async runs."""
+        ref = self.aux.reference
+        if ref is None:
+            return {}
+        return {"perf/ref_logprob_time": self._group("reference", "reference log-probs of a chunk", step,
+                                                     lambda: ref.compute(step, indexes))}
+
     def teacher_logprobs(self, step: int) -> dict[str, float]:
         teacher = self.aux.teacher
         if teacher is None:

@@ -6,9 +6,10 @@ The rollout thread (relax.core.async_loop.AsyncLoop.generate) calls the rollout 
 --rollout-batch-size / K prompt groups, stores them in the step's partition (the indexes continue the run's
 count, so a step holds the same indexes as an unchunked one) and hands the chunk's indexes to the window
 (`StalenessWindow.chunk_finished`). The training thread, as soon as step N may train, takes each chunk as it
-arrives and has every trainer rank run `train_chunk` on it (relax.training.streaming: old log-probs,
-advantages, forward and backward passes, gradients accumulated); the last chunk's call makes the step's one
-optimizer step. Training of chunk 0 thus overlaps the generation of chunks 1 .. K-1. The step's rollout
+arrives, has the reference role write the chunk's `ref_logprobs` (with a KL loss or a KL reward), then has
+every trainer rank run `train_chunk` on it (relax.training.streaming: old log-probs, advantages, forward and
+backward passes, gradients accumulated); the last chunk's call makes the step's one optimizer step, and
+--ref-update-interval's refresh follows it. Training of chunk 0 thus overlaps the generation of chunks 1 .. K-1. The step's rollout
 metrics, weight push, checkpoint and accounting follow as for an unchunked step.
 
 Metrics of each step (besides the trainer's, with `train/num_chunks`): `async/num_chunks`,
@@ -28,7 +29,7 @@ from relax.observability import timeline
 def train_chunks(ctl: Any, window: Any, step: int, chunks: int) -> dict[str, float]:
     """Train step `step`'s chunks as the rollout stores them; returns the trainer's metrics of the step."""
     first = None
-    waited = 0.0
+    waited = ref_time = 0.0
     metrics: dict[str, float] = {}
     for chunk in range(chunks):
         t_wait = time.time()
@@ -37,10 +38,17 @@ def train_chunks(ctl: Any, window: Any, step: int, chunks: int) -> dict[str, flo
             first = time.time()
         else:
             waited += time.time() - t_wait
+        with timeline.span(f"reference chunk {chunk}", step=step, cat="train"):
+            ref = ctl.stages.reference_chunk(step, stored["indexes"])
+        ref_time += ref.get("perf/ref_logprob_time", 0.0)
         with timeline.span(f"train chunk {chunk}", step=step, cat="train"):
             out = ctl._trainers("train_chunk", f"train chunk {chunk}", step, step, chunk, chunks, stored["indexes"])
         if chunk + 1 == chunks:
             metrics = dict(out[0])
     metrics.update({"async/num_chunks": float(chunks), "async/first_chunk_train_start": first,
                     "async/chunk_wait_time": waited})
+    if ctl.aux.reference is not None:
+        metrics["perf/ref_logprob_time"] = ref_time
+    with timeline.span("reference_refresh", step=step, cat="train"):  # --ref-update-interval, after the update
+        metrics.update(ctl.stages.reference_refresh(step))
     return metrics

@@ -34,7 +34,7 @@ def _main(argv: list[str] | None, held: HeldWarnings) -> int:
     from relax.config import ConfigError, parse_config
     from relax.config.explain import explain
     from relax.config.redact import redact_command
-    from relax.config.support import no_effect_flags, no_effect_warning, require_supported
+    from relax.config.support import no_effect_flags, no_effect_warning, require_supported, resource_warnings
     from relax.config.support_gpu import require_gpu_for
     from relax.observability.notify import Notifier
 
@@ -54,6 +54,8 @@ def _main(argv: list[str] | None, held: HeldWarnings) -> int:
         ignored = no_effect_flags(config)
         if ignored:
             print(f"relax-train: warning: {no_effect_warning(ignored)}", file=sys.stderr)
+        for line in resource_warnings(config):
+            print(f"relax-train: warning: {line}", file=sys.stderr)
     except ConfigError as exc:
         print(f"relax-train: error: {exc}", file=sys.stderr)
         return 2

@@ -68,11 +68,22 @@ class ReferenceWorker(MegatronRank):
         return {"rank": self.rank, "dp": self.trainer.layout.dp, "source": source}
 
     @timeline.traced("log-probs", cat="train")
-    def compute(self, step: int) -> dict[str, Any]:
+    def compute(self, step: int, indexes: list[int] | None = None) -> dict[str, Any]:
         """Stage: the log-probs of this data-parallel rank's share (samples[dp_rank::dp]) of step `step`, written
-        to the data plane as `ref_logprobs` (`teacher_logprobs` for the teacher)."""
+        to the data plane as `ref_logprobs` (`teacher_logprobs` for the teacher). `indexes`: one streamed chunk
+        of the step (--num-iters-per-train-update), read as this rank's next unread samples of the partition,
+        which are that chunk's (the chunks arrive in index order)."""
         t0 = time.perf_counter()
-        samples = self.data.get(step, fields=("index", "prompt_tokens", "response_tokens"))
+        fields = ("index", "prompt_tokens", "response_tokens")
+        if indexes is None:
+            samples = self.data.get(step, fields=fields)
+        else:
+            samples = self.data.get(step, batch_size=len(indexes), fields=fields,
+                                    task_name=f"{self.role}-chunks-rank-{self.rank}",
+                                    timeout_s=float(self.config.train_step_timeout or 60))
+            if [s.index for s in samples] != list(indexes):
+                raise RuntimeError(f"step {step}: the {self.role} read samples {[s.index for s in samples][:8]}... "
+                                   f"for a chunk the rollout stored as {list(indexes)[:8]}...")
         layout = self.trainer.layout
         mine = samples[layout.dp_rank::layout.dp]
         inputs = [{"tokens": torch.tensor(s.prompt_tokens + s.response_tokens, dtype=torch.long),

@@ -19,7 +19,7 @@ from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
 from relax.config.megatron_options import options_from_config
 from relax.config.support_gpu import GPU_ONLY_REASONS
 from relax.data.plane import DataPlane
-from relax.data.sample import Sample
+from relax.data.sample import ROLLOUT_FIELDS, Sample
 from relax.observability import timeline
 from relax.observability.metrics_client import MetricsReporter
 from relax.observability.profiling import Profiling, install_cuda_memory_check
@@ -239,7 +239,9 @@ class TrainerWorker(MegatronRank):
         if state is None or state["update"].step != step or state["next"] != chunk:
             raise RuntimeError(f"step {step}: chunk {chunk} arrived out of order on trainer rank {self.rank}")
         # the chunk's samples alone: this rank's own reader of the partition takes the lowest unread indexes
-        samples = self.data.get(step, batch_size=len(indexes), task_name=f"stream-rank-{self.rank}",
+        # with a KL loss or reward, the chunk's reference log-probs too (written by the reference role before)
+        fields = (*ROLLOUT_FIELDS, "ref_logprobs") if StreamingUpdate.needs_reference(self.config) else None
+        samples = self.data.get(step, batch_size=len(indexes), fields=fields, task_name=f"stream-rank-{self.rank}",
                                 timeout_s=float(self.config.train_step_timeout or 60))
         if [s.index for s in samples] != list(indexes):
             raise RuntimeError(f"step {step}: chunk {chunk} read samples {[s.index for s in samples][:8]}... from "

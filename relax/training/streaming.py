@@ -4,7 +4,8 @@
 this rank's share, gradients accumulated (`relax.backends.megatron.accumulate.ChunkedStep`); after the last
 chunk, one optimizer step. Config validation (relax.config.rules_streaming) admits only runs where this is
 the unchunked step's update: one global batch per step, advantages that are per sample or per group, no
-reference, critic or teacher role, no hook that sees a whole step.
+critic or teacher role, no hook that sees a whole step. With a KL loss or reward the reference role has
+written each chunk's `ref_logprobs` before the chunk arrives here (relax.core.streaming).
 
 Metrics: those of `update_stage` for the whole step (`train/loss`, `train/grad_norm`, ... of the one optimizer
 step; `samples/trained`, `train/tokens` summed over the chunks; the advantage stage's and the
@@ -17,10 +18,13 @@ import math
 import time
 from typing import Any, Sequence
 
+import torch
+
 from relax.backends.megatron.accumulate import ChunkedStep
 from relax.data.sample import Sample
 from relax.training.objective import PolicyObjective
-from relax.training.step import actor_updates_at, advantage_stage, dp_share, forward_stage, update_inputs
+from relax.training.step import (actor_updates_at, advantage_stage, check_rows, dp_share, forward_stage,
+                                 update_inputs)
 
 
 class StreamingUpdate:
@@ -42,13 +46,25 @@ class StreamingUpdate:
         self.on_policy_diff: float | None = None
         self.seconds = 0.0
 
+    @staticmethod
+    def needs_reference(config: Any) -> bool:
+        """Whether each chunk's samples carry reference log-probs (a KL loss, or a KL penalty in the reward)."""
+        return bool(config.use_kl_loss or config.kl_coef)
+
     def add(self, samples: Sequence[Sample], *, last: bool) -> dict[str, float] | None:
+        """`samples`: the chunk's, with `ref_logprobs` when `needs_reference`."""
         t0 = time.perf_counter()
         if self.accumulated is not None and self.accumulated.finished:
             raise RuntimeError(f"step {self.step}: a chunk after the step's last one")
         batch, olds = forward_stage(self.trainer, samples, self.config, self.step)
-        advantages, _, adv_metrics = advantage_stage(batch, self.config, old_logprobs=olds)
-        inputs = update_inputs(batch, advantages, olds)
+        refs = None
+        if self.needs_reference(self.config):  # aligned with the samples the batch trains
+            by_index = {s.index: s.ref_logprobs for s in samples}
+            rows = [by_index[s.index] for s in batch.samples]
+            check_rows(batch.samples, rows, "ref_logprobs", self.step)
+            refs = [torch.tensor(r, dtype=torch.float32) for r in rows]
+        advantages, _, adv_metrics = advantage_stage(batch, self.config, old_logprobs=olds, ref_logprobs=refs)
+        inputs = update_inputs(batch, advantages, olds, refs)
         mine, spread = dp_share(inputs, self.trainer.layout, bool(self.config.balance_data))
         if self.accumulated is not None:
             self.accumulated.add(mine, last=last)
