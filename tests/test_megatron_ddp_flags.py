@@ -44,8 +44,11 @@ def test_the_flags_travel_and_megatron_lms_checks_stop_before_ray(tmp_path):
         "check_for_large_grads": True, "distributed_timeout_seconds_after_init": 60}
     options = _options(tmp_path, "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2",
                        "--resource", '{"actor": [1, 4], "rollout": [1, 1]}', "--micro-batch-size", "1")
-    from relax.backends.megatron.megatron_options import ddp_fields, parallel_fields
+    from relax.backends.megatron.megatron_options import ddp_fields, optimizer_fields, parallel_fields
 
+    overlap = _options(tmp_path, "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather")
+    assert ddp_fields(overlap.items())["overlap_param_gather"] and optimizer_fields(overlap.items()) == {
+        "overlap_param_gather": True}  # Megatron-LM sets both configs' field
     assert ddp_fields(options.items())["num_distributed_optimizer_instances"] == 2
     assert parallel_fields(options.items())["num_distributed_optimizer_instances"] == 2
     for flags, message in [
@@ -119,6 +122,7 @@ def _layout_run(rank, path, samples, name):
     out["timeout"] = ps.get_data_parallel_group()._get_backend(torch.device("cpu")).options._timeout.total_seconds()
     out["ddp"] = {k: getattr(trainer.model.ddp_config, k) for k in (
         "overlap_param_gather", "align_param_gather", "check_for_large_grads", "num_distributed_optimizer_instances")}
+    out["optimizer_overlap"] = trainer.optimizer.config.overlap_param_gather
     out["instances"] = ps.get_intra_distributed_optimizer_instance_group().size()
     return out
 
@@ -153,7 +157,7 @@ def test_overlapped_param_gather_trains_as_the_plain_distributed_optimizer(ranks
     """--overlap-param-gather: each step leaves the all-gather to the next forward pass, and the weights exported
     right after the step (before any forward pass) are still the whole updated ones, on both ranks."""
     for rank in ranks:
-        assert rank[name]["ddp"]["overlap_param_gather"]
+        assert rank[name]["ddp"]["overlap_param_gather"] and rank[name]["optimizer_overlap"]
         assert rank[name]["ddp"]["align_param_gather"] is (name == "overlap")
         assert rank[name]["bucket_groups"] > 1 and all(rank[name]["deferred"])
         assert not any(rank["distopt"]["deferred"])  # without the flag the step gathers itself

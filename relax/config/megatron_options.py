@@ -48,6 +48,8 @@ TRANSFORMER_GPU: frozenset[str] = frozenset({
 OPTIMIZER: frozenset[str] = frozenset({
     "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis", "decoupled_lr",
     "decoupled_min_lr", "apply_wd_to_qk_layernorm",
+    # also a DDP field: Megatron-LM gives the optimizer the same value (its MXFP8 param copy waits for the gather)
+    "overlap_param_gather",
 })
 # OptimizerConfig fields of the precision-aware optimizer and of --optimizer-cpu-offload (GPU-only).
 OPTIMIZER_GPU: frozenset[str] = frozenset({
