@@ -392,7 +392,7 @@ class ModelArch:
 def glm4_flag_problems(get) -> list[str]:
     """GLM4's flags come together: the two post-sublayer norms and interleaved RoPE make the GLM4 family (HF's
     Glm4ForCausalLM has all three, no other family any), and only GLM4 rotates part of the head. `get`: a flag
-    dest's value (`flags.get`); one problem per line, naming the flags."""
+    dest's value (`flags.get`). Each problem names its flags."""
     given = [d for d in _GLM4_ONLY if get(d)]
     percent = get("rotary_percent") or 1.0
     if not given:

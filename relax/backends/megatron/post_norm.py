@@ -35,22 +35,17 @@ class PostNormLayerSubmodules(TransformerLayerSubmodules):
     post_mlp_layernorm: Union[ModuleSpec, type] = IdentityOp
 
 
-def _normed_bda(bda: Callable, norm: Any) -> Callable:
-    """A bias-dropout-add builder like Megatron's `get_bias_dropout_add` whose function normalises the sublayer's
-    output (plus its bias) before dropout and the residual add."""
+def _normed(add: Callable, norm: Any) -> Callable:
+    """A bias-dropout-add function (Megatron's `get_bias_dropout_add(training, fused)`) that first normalises the
+    sublayer's output (plus its bias)."""
 
-    def build(training: bool, fused: bool) -> Callable:
-        add = bda(training, fused)
+    def apply(x_with_bias, residual, prob):
+        out, bias = x_with_bias
+        if bias is not None:
+            out = out + bias
+        return add((norm(out), None), residual, prob)
 
-        def apply(x_with_bias, residual, prob):
-            out, bias = x_with_bias
-            if bias is not None:
-                out = out + bias
-            return add((norm(out), None), residual, prob)
-
-        return apply
-
-    return build
+    return apply
 
 
 class PostNormTransformerLayer(TransformerLayer):
@@ -58,11 +53,20 @@ class PostNormTransformerLayer(TransformerLayer):
 
     def __init__(self, config, submodules: PostNormLayerSubmodules, *args: Any, **kwargs: Any):
         super().__init__(config, submodules, *args, **kwargs)
-        for name, bda in (("post_self_attn_layernorm", "self_attn_bda"), ("post_mlp_layernorm", "mlp_bda")):
-            norm = build_module(getattr(submodules, name), config=config, hidden_size=config.hidden_size,
-                                eps=config.layernorm_epsilon)
-            setattr(self, name, norm)
-            setattr(self, bda, _normed_bda(getattr(self, bda), norm))
+        for name in ("post_self_attn_layernorm", "post_mlp_layernorm"):
+            setattr(self, name, build_module(getattr(submodules, name), config=config,
+                                             hidden_size=config.hidden_size, eps=config.layernorm_epsilon))
+        # Megatron's bias-dropout-add builders, which TransformerLayer calls as self.<x>_bda(training, fused) in each
+        # forward; the bound methods in their place add the norm, read from the layer at each call
+        self._plain_bda = {"attn": self.self_attn_bda, "mlp": self.mlp_bda}
+        self.self_attn_bda = self._post_self_attn_bda
+        self.mlp_bda = self._post_mlp_bda
+
+    def _post_self_attn_bda(self, training: bool, fused: bool) -> Callable:
+        return _normed(self._plain_bda["attn"](training, fused), self.post_self_attn_layernorm)
+
+    def _post_mlp_bda(self, training: bool, fused: bool) -> Callable:
+        return _normed(self._plain_bda["mlp"](training, fused), self.post_mlp_layernorm)
 
 
 def with_post_norms(spec: ModuleSpec, norm: Union[ModuleSpec, type]) -> ModuleSpec:
