@@ -42,7 +42,7 @@ ASYNC_BATCH, ASYNC_N, ASYNC_UPDATES, MAX_STALENESS = 2, 2, 2, 2
 def test_fully_async_launch_script_runs_scaled_down(tmp_path):
     """The fully-async launch script (examples/launch/run-grpo-fully-async.sh), unchanged but for its two hooks
     (HF_MODE=raw, GPU_OPTIMIZER=0), runs two steps on CPU scaled down by examples/launch/run-cpu-async.sh: tensor
-    parallel 4 with sequence parallelism, the KL loss against the reference, over-sampling with the dynamic-sampling
+    parallel 2 with sequence parallelism, the KL loss against the reference, over-sampling with the dynamic-sampling
     filter, 2 optimizer steps per rollout, 4 storage units, health checks and engine fault tolerance on."""
     env = dict(os.environ, PYTHON=sys.executable)
     proc = subprocess.run(["bash", str(ROOT / "examples" / "launch" / "run-cpu-async.sh"), str(tmp_path)],
@@ -55,7 +55,8 @@ def test_fully_async_launch_script_runs_scaled_down(tmp_path):
     assert warned and all(flag in warned[0] for flag in (
         "--sglang-mem-fraction-static", "--sglang-enable-dp-attention", "--sglang-dp-size", "--sglang-ep-size",
         "--sglang-cuda-graph-bs", "--sglang-moe-a2a-backend")), warned
-    assert "trainer: 4 rank(s), data-parallel 1" in console  # tensor parallel 4
+    assert "trainer: 2 rank(s), data-parallel 1" in console  # tensor parallel 2
+    assert "reference: 2 rank(s)" in console  # the KL loss's reference, a role of its own in fully-async mode
     assert f"fully-async: rollout up to {MAX_STALENESS} step(s) ahead of training" in console
     run = tmp_path / "run"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -83,6 +84,6 @@ def test_fully_async_launch_script_runs_scaled_down(tmp_path):
                                    "megatron_to_hf_mode", "use_kl_loss", "use_health_check", "use_fault_tolerance",
                                    "optimizer_cpu_offload")} == {
         "fully_async": True, "max_staleness": MAX_STALENESS, "num_steps_per_rollout": ASYNC_UPDATES,
-        "num_data_storage_units": 4, "over_sampling_batch_size": 3, "tensor_model_parallel_size": 4,
+        "num_data_storage_units": 4, "over_sampling_batch_size": 3, "tensor_model_parallel_size": 2,
         "sequence_parallel": True, "megatron_to_hf_mode": "raw", "use_kl_loss": True, "use_health_check": True,
         "use_fault_tolerance": True, "optimizer_cpu_offload": False}
