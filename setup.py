@@ -15,6 +15,7 @@ setup(
         # One Megatron: the release relax/config/megatron_table.py describes (INSTALLED_MEGATRON_CORE); 0.17+
         # need Python >= 3.12. A test checks the mirror against this version.
         "megatron-core==0.16.1",
+        "einops",  # megatron-core's initialize_model_parallel builds --num-distributed-optimizer-instances' groups with it
         "transformers>=4.51",
         "tokenizers",
         "transferqueue>=0.1.11",

@@ -69,6 +69,13 @@ GPU_ONLY_OPTION_REASONS: dict[str, str] = {
     "high_priority_stream_groups": "NCCL communicators on high-priority CUDA streams",
     "nccl_communicator_config_path": "a YAML of NCCL communicator settings (NCCL is the GPU collective library)",
     "te_rng_tracker": "Transformer Engine's CUDA RNG tracker",
+    "nccl_ub": ("allocates the data-parallel param and grad buffers from NCCL's memory pool and registers them as "
+                "NCCL user buffers (torch.cuda.MemPool, NCCL: GPU only)"),
+    "disable_symmetric_registration": ("chooses local instead of symmetric (window) NCCL registration of "
+                                       "--use-nccl-ub's user buffers (NCCL: GPU only)"),
+    "create_all_gather_group": ("a second NCCL communicator over the data-parallel ranks, so that all-gathers get "
+                                "their own NCCL progress engine instead of queueing behind reduce-scatters (GPU "
+                                "only; gloo runs each collective in order on its own threads)"),
     "fp32_residual_connection": ("keeps the residual stream in fp32 under bf16/fp16; Transformer Engine's layers (CUDA) "
                                  "cast it for their matmuls, megatron-core's local layers (the CPU's) do not"),
     "use_kitchen_attention": "NVIDIA Kitchen's quantized attention kernels (CUDA)",

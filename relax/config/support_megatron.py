@@ -168,9 +168,19 @@ MEGATRON_FEATURES: frozenset[str] = frozenset(ALWAYS_SO) | CHECKPOINT_AND_RUN_CO
 
 _TP_OVERLAP = ("Transformer Engine's userbuffers, which Megatron-LM's training script sets up; Relax's trainer "
                "does not (GPU)")
-_DDP = ("Megatron's and torch's FSDP wrappers, the overlapped param gather (the engines would read weights before "
-        "the gather ends), partial distributed optimizers and process-group options the trainer does not pass yet "
-        "(the DDP buckets and the overlapped grad reduce are built)")
+_DDP = ("Megatron's FSDP wrappers: megatron-core 0.16's torch-FSDP2 wrapper builds its device mesh on CUDA "
+        "(torch's fully_shard itself runs on gloo), and both would hand the trainer DTensor shards that its HF weight "
+        "export, checkpoints and optimizer do not read yet (--use-torch-fsdp2, --torch-fsdp2-no-reshard-after-forward, "
+        "--use-megatron-fsdp and its --data-parallel-sharding-strategy, --outer-dp-sharding-strategy, "
+        "--enable-full-sharding-in-hsdp, --fsdp-double-buffer, --fsdp-manual-registration, "
+        "--suggested-communication-unit-size); --overlap-param-gather-with-optimizer-step needs Megatron's "
+        "interleaved pipeline schedule (Megatron-LM asserts virtual pipeline stages), which the trainer does not run; "
+        "--ddp-param-name-patterns-for-fp32-local-accumulation is a DDP setting of megatron-core 0.17, not of the "
+        "installed 0.16.1; --fake-process-group skips every collective (Megatron-LM's one-GPU memory-profiling mode), "
+        "so the metrics, the weights pushed to the engines and the replicas would be wrong (the DDP buckets, the "
+        "overlapped grad reduce and param gather, --num-distributed-optimizer-instances, --check-for-large-grads and "
+        "--distributed-timeout-seconds-after-init are built; --use-nccl-ub, --disable-symmetric-registration and "
+        "--create-all-gather-group are GPU-only)")
 
 # group -> (why it is not built, its dests). Flags of the context-parallel work (context_parallel_size, cp_comm_type,
 # ...) stay here until that work adds them to IMPLEMENTED; `refused_groups` leaves out whatever is built by then.
@@ -181,11 +191,11 @@ NOT_BUILT: dict[str, tuple[str, frozenset[str]]] = {
         "--recompute-activations or --recompute-granularity)",
         frozenset({"batch_size", "warmup", "model_parallel_size", "checkpoint_activations"})),
     "architecture features no supported model family has": (
-        "Relax builds Llama, Qwen2, Qwen3 and Qwen3-MoE shapes (relax.backends.megatron.arch); the HF export and "
+        "Relax builds Llama, Qwen2, Qwen3, Qwen3-MoE and GLM4 shapes (relax.backends.megatron.arch); the HF export and "
         "the rollout engines need one of them",
         frozenset({
             "softmax_type", "apply_residual_connection_post_layernorm",
-            "layernorm_zero_centered_gamma", "glu_linear_offset", "activation_func_clamp_value", "rotary_interleaved",
+            "layernorm_zero_centered_gamma", "glu_linear_offset", "activation_func_clamp_value",
             "qk_l2_norm", "attention_output_gate", "multi_latent_attention", "experimental_attention_variant",
             "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk", "dsa_indexer_loss_coeff",
             "dsa_indexer_use_sparse_loss", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
@@ -196,7 +206,7 @@ NOT_BUILT: dict[str, tuple[str, frozenset[str]]] = {
             "moe_apply_probs_on_input", "moe_latent_size", "mrope_section", "is_hybrid_model", "mamba_state_dim",
             "mamba_head_dim", "mamba_num_groups", "mamba_num_heads", "use_mamba_mem_eff_path", "encoder_num_layers",
             "decoder_num_layers", "window_size", "window_attn_skip_freq", "relative_attention_num_buckets",
-            "relative_attention_max_distance", "rotary_percent", "rotary_seq_len_interpolation_factor",
+            "relative_attention_max_distance", "rotary_seq_len_interpolation_factor",
             "no_rope_freq", "openai_gelu", "squared_relu", "quick_geglu", "rope_type", "q_lora_rank",
             "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rotary_scaling_factor", "mscale",
             "mscale_all_dim", "spec", "hybrid_layer_pattern", "hybrid_override_pattern",

@@ -7,7 +7,7 @@ from relax.config.support_gpu import GPU_ONLY_FEATURES
 
 # Megatron's architecture flags: checked against the --hf-checkpoint config before the run
 # (relax.config.rules_arch), the model is built from that config (tests/test_arch_flags.py). The flags of
-# features no supported model family has (--rotary-interleaved, --qk-l2-norm, ...) stay refused when set.
+# features no supported model family has (--qk-l2-norm, --multi-latent-attention, ...) stay refused when set.
 ARCH_FEATURES: frozenset[str] = BUILDABLE_FLAGS | frozenset(SIZE_FLAGS)
 
 TRAINING_FEATURES: frozenset[str] = ARCH_FEATURES | GPU_ONLY_FEATURES | CPU_OPTIONS | frozenset({
