@@ -44,11 +44,13 @@ def add_flags(parser):
 
     g = parser.add_argument_group("Model architecture extensions")
     g.add_argument("--post-self-attn-layernorm", action="store_true", default=False,
-                   help="Extra norm after self-attention (GLM4 family). GLM4 is not a family Relax builds yet: it also needs "
-                        "partial rotary embeddings and the HF weight mapping of these norms.")
+                   help="RMSNorm on the self-attention's output before the residual add (GLM4 models; with "
+                        "--post-mlp-layernorm and --rotary-interleaved). With --hf-checkpoint it must agree with "
+                        "the model's config.json (checked before the run).")
     g.add_argument("--post-mlp-layernorm", action="store_true", default=False,
-                   help="Extra norm after the MLP (GLM4 family). GLM4 is not a family Relax builds yet: it also needs partial "
-                        "rotary embeddings and the HF weight mapping of these norms.")
+                   help="RMSNorm on the MLP's output before the residual add (GLM4 models; with "
+                        "--post-self-attn-layernorm and --rotary-interleaved). With --hf-checkpoint it must agree "
+                        "with the model's config.json (checked before the run).")
 
     g = parser.add_argument_group("Debug")
     g.add_argument("--debug-rollout-only", action="store_true", default=False, help="Run rollout only; no training.")
