@@ -19,7 +19,7 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
-from relax.backends.megatron.arch import ARCH_FLAGS, SIZE_FLAGS, ModelArch, glm4_flag_problems
+from relax.backends.megatron.arch import ARCH_FLAGS, SIZE_FLAGS, ModelArch, glm4_flag_problems, moe_flag_problems
 from relax.config.errors import ConfigError
 from relax.config.presets import embedded_paths
 from relax.config.support import same_value
@@ -71,6 +71,11 @@ ARCH_FLAG_HELP: dict[str, str] = {
                       "models." + _CHECKED,
     "moe_router_pre_softmax": "Softmax over all experts before choosing the top k (the weights are then not "
                               "renormalised)." + _CHECKED,
+    "moe_shared_expert_intermediate_size": "Width of the shared expert's MLP, which every token goes through beside "
+                                           "its routed experts (Qwen2-MoE models: HF shared_expert_intermediate_size; "
+                                           "needs --moe-shared-expert-gate, as Qwen2-MoE has both)." + _CHECKED,
+    "moe_shared_expert_gate": "Gate the shared expert's output by sigmoid(a linear map of the hidden state) "
+                              "(Qwen2-MoE's shared_expert_gate)." + _CHECKED,
     "seq_length": "Longest sequence Megatron trains on. Relax's micro-batches take their lengths from the samples "
                   "(prompt + response); this is checked against the model's max_position_embeddings.",
     "padded_vocab_size": "Rows of the trainer's embedding and output layer (at least the vocabulary; the extra "
@@ -207,8 +212,8 @@ def check_arch_flags(v: dict, explicit, defaults: Optional[dict] = None) -> None
     if not v.get("hf_checkpoint"):
         refuse_without_hf(v, given)
     hf = hf_arch(v)
-    if hf is None:  # nothing to compare with; GLM4's features must still come together (ModelArch.from_flags)
-        problems = glm4_flag_problems(v.get)
+    if hf is None:  # nothing to compare with; GLM4's and the MoE families' features must still come together
+        problems = glm4_flag_problems(v.get) + moe_flag_problems(v.get)
         if problems:
             raise ConfigError("cannot build the model from the architecture flags: " + "; ".join(problems))
         return

@@ -23,9 +23,9 @@ CHATML_TEMPLATE = (
 
 @dataclass(frozen=True)
 class TinyArch:
-    """Shape of the tiny model (a Qwen2-, Llama-, Qwen3- or GLM4-family causal LM)."""
+    """Shape of the tiny model (a Qwen2-, Llama-, Qwen3-, GLM4- or Qwen2-MoE-family causal LM)."""
 
-    family: str = "qwen2"  # qwen2 | llama | qwen3 | glm4
+    family: str = "qwen2"  # qwen2 | llama | qwen3 | glm4 | qwen2_moe
     hidden_size: int = 64
     intermediate_size: int = 176
     num_hidden_layers: int = 2
@@ -62,7 +62,7 @@ def build_byte_tokenizer():
 
 
 def build_hf_config(arch: TinyArch, vocab_size: int):
-    from transformers import Glm4Config, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import Glm4Config, LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -86,7 +86,11 @@ def build_hf_config(arch: TinyArch, vocab_size: int):
     if arch.family == "glm4":  # GLM4-9B's features: half the head rotated (interleaved), QKV biases, post norms
         return Glm4Config(**common, head_dim=arch.hidden_size // arch.num_attention_heads, partial_rotary_factor=0.5,
                           attention_bias=True)
-    raise ValueError(f"unknown tiny model family {arch.family!r} (qwen2, llama, qwen3, glm4)")
+    if arch.family == "qwen2_moe":  # Qwen1.5-MoE's features: routed experts plus a gated shared expert, QKV biases,
+        # top-k routing weights not renormalised (norm_topk_prob false)
+        return Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=48, norm_topk_prob=False, qkv_bias=True)
+    raise ValueError(f"unknown tiny model family {arch.family!r} (qwen2, llama, qwen3, glm4, qwen2_moe)")
 
 
 def build_tiny_model_dir(path: str | Path, arch: TinyArch | None = None, seed: int = 0) -> Path:

@@ -1,7 +1,7 @@
 """Model architecture: what an HF config or Megatron's architecture flags say, in the terms Megatron-core needs.
 
 `ModelArch` is a frozen, hashable description of a decoder-only transformer
-(Llama, Qwen2, Qwen3 dense, Qwen3-MoE and GLM4 dense). It is built from an HF config
+(Llama, Qwen2, Qwen3 dense, Qwen3-MoE, Qwen2-MoE and GLM4 dense). It is built from an HF config
 (`from_hf_config`) or from Megatron's architecture flags (`from_flags`), and
 `to_flags` states it back as those flags. `to_transformer_config` turns it plus
 the parallel layout and precision into a Megatron `TransformerConfig`.
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 __all__ = ["ARCH_FLAGS", "BUILDABLE_FLAGS", "SIZE_FLAGS", "ModelArch", "arch_for_run", "to_transformer_config",
-           "pad_vocab_size", "glm4_flag_problems"]
+           "pad_vocab_size", "glm4_flag_problems", "moe_flag_problems"]
 
-_SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4")
+_SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "glm4")
 
 # Megatron's architecture flags (argparse dest -> (flag, where an HF config states the same fact)). These are
 # the flags of the Megatron parser that decide the shape of the model Relax builds; `ModelArch.to_flags` gives
@@ -73,7 +73,10 @@ ARCH_FLAGS: dict[str, tuple[str, str]] = {
     "moe_router_num_groups": ("--moe-router-num-groups", "no grouped routing"),
     "moe_router_group_topk": ("--moe-router-group-topk", "no grouped routing"),
     "moe_router_enable_expert_bias": ("--moe-router-enable-expert-bias", "no expert bias"),
-    "moe_shared_expert_intermediate_size": ("--moe-shared-expert-intermediate-size", "no shared expert"),
+    "moe_shared_expert_intermediate_size": ("--moe-shared-expert-intermediate-size",
+                                            "shared_expert_intermediate_size: model_type qwen2_moe has a shared "
+                                            "expert, the other families none"),
+    "moe_shared_expert_gate": ("--moe-shared-expert-gate", "model_type qwen2_moe (shared_expert_gate)"),
 }
 
 # Megatron flags about the model's size that are no single fact of an HF config (dest -> flag): checked against
@@ -90,7 +93,7 @@ _ABSENT_FEATURES: dict[str, Any] = {
     "apply_residual_connection_post_layernorm": False, "qk_l2_norm": False, "attention_output_gate": False,
     "multi_latent_attention": False, "rotary_seq_len_interpolation_factor": None,
     "moe_router_score_function": "softmax", "moe_router_topk_scaling_factor": None, "moe_router_num_groups": None,
-    "moe_router_group_topk": None, "moe_router_enable_expert_bias": False, "moe_shared_expert_intermediate_size": None,
+    "moe_router_group_topk": None, "moe_router_enable_expert_bias": False,
 }
 
 # The architecture flags that can take a value other than Megatron's default in a model Relax builds (the others
@@ -176,11 +179,15 @@ class ModelArch:
     untie_embeddings_and_output_weights: bool = True
     hf_family: str = "llama"
     hf_vocab_size: Optional[int] = None  # the real vocabulary; rows past it are padding
-    # Mixture of experts (Qwen3-MoE); num_experts None means dense.
+    # Mixture of experts (Qwen3-MoE, Qwen2-MoE); num_experts None means dense.
     num_experts: Optional[int] = None
     moe_router_topk: int = 2
     moe_ffn_hidden_size: Optional[int] = None
     moe_norm_topk_prob: bool = True
+    # Qwen2-MoE's shared expert (a gated SiLU MLP every token goes through, added to the routed experts' output)
+    # and its gate (sigmoid of a linear map of the hidden state, multiplied into the shared expert's output)
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_gate: bool = False
 
     def __post_init__(self) -> None:
         if self.hf_vocab_size is None:
@@ -197,6 +204,12 @@ class ModelArch:
             # the HF export names the model by hf_family: only Glm4ForCausalLM computes these features
             raise ValueError("interleaved or partial RoPE and the post-sublayer norms make a glm4 model, "
                              "and a glm4 model has the three of them")
+        shared = self.moe_shared_expert_intermediate_size is not None
+        if (self.hf_family == "qwen2_moe") != shared or shared != self.moe_shared_expert_gate \
+                or (shared and not self.is_moe):
+            # Qwen2MoeSparseMoeBlock always has the gated shared expert; no other family's HF code has one
+            raise ValueError("a shared expert and its gate make a qwen2_moe model (an MoE model), and a qwen2_moe "
+                             "model has both")
 
     @property
     def is_moe(self) -> bool:
@@ -232,16 +245,9 @@ class ModelArch:
         vocab = _cfg(hf_config, "vocab_size")
         # Glm4Config's attention_bias defaults to True, the others' to False
         qkv_bias = model_type == "qwen2" or bool(_cfg(hf_config, "attention_bias", glm4))
-        moe: dict[str, Any] = {}
-        if model_type == "qwen3_moe":
-            if _cfg(hf_config, "mlp_only_layers") or _cfg(hf_config, "decoder_sparse_step", 1) != 1:
-                raise NotImplementedError("Qwen3-MoE with dense layers mixed in")
-            moe = dict(
-                num_experts=_cfg(hf_config, "num_experts"),
-                moe_router_topk=_cfg(hf_config, "num_experts_per_tok"),
-                moe_ffn_hidden_size=_cfg(hf_config, "moe_intermediate_size"),
-                moe_norm_topk_prob=bool(_cfg(hf_config, "norm_topk_prob", True)),
-            )
+        if model_type == "qwen2_moe":  # Qwen2MoeConfig names it qkv_bias (default True)
+            qkv_bias = bool(_cfg(hf_config, "qkv_bias", True))
+        moe = _hf_moe(hf_config, model_type)
         return cls(
             num_layers=_cfg(hf_config, "num_hidden_layers"),
             hidden_size=hidden,
@@ -306,6 +312,8 @@ class ModelArch:
             moe_router_topk=self.moe_router_topk if moe else None,
             moe_layer_freq=1 if moe else None,
             moe_router_pre_softmax=(not self.moe_norm_topk_prob) if moe else None,
+            moe_shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size,
+            moe_shared_expert_gate=self.moe_shared_expert_gate,
         )
         return flags
 
@@ -316,7 +324,9 @@ class ModelArch:
         counts only with --group-query-attention, --max-position-embeddings defaults to --seq-length.
 
         Only models that Relax can also export to Hugging Face (and so to the rollout engines) are built:
-        Llama, Qwen2, Qwen3, Qwen3-MoE and GLM4 shapes. A GLM4 model is the one with --post-self-attn-layernorm
+        Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE and GLM4 shapes. An MoE model with --qk-layernorm is Qwen3-MoE;
+        one without is Qwen2-MoE, which needs --moe-shared-expert-intermediate-size and --moe-shared-expert-gate.
+        A GLM4 model is the one with --post-self-attn-layernorm
         and --post-mlp-layernorm; it also needs --rotary-interleaved (its HF modelling code rotates pairs), and
         --rotary-interleaved or a --rotary-percent below 1 need it (no other family's HF code has them).
         ValueError names every missing or unbuildable flag.
@@ -337,13 +347,11 @@ class ModelArch:
             problems.append("--position-embedding-type rope (or --use-rotary-position-embeddings) is required")
         if get("add_bias_linear", True):
             problems.append("--disable-bias-linear is required (the supported models have no linear biases)")
-        problems += glm4_flag_problems(get)
+        problems += glm4_flag_problems(get) + moe_flag_problems(get)
         for dest, off in _ABSENT_FEATURES.items():
             if get(dest, off) != off:
                 problems.append(f"{ARCH_FLAGS[dest][0]} {get(dest)}: not a feature of the supported models")
         experts = get("num_experts") or None
-        if experts and not get("qk_layernorm"):
-            problems.append("--num-experts needs --qk-layernorm (MoE models are built as Qwen3-MoE)")
         freq = get("moe_layer_freq", 1)
         if experts and not (freq == 1 or (isinstance(freq, list) and all(f == 1 for f in freq))):
             problems.append(f"--moe-layer-freq {freq}: only all-MoE layers are supported")
@@ -357,9 +365,12 @@ class ModelArch:
         if experts:
             moe = dict(num_experts=experts, moe_router_topk=get("moe_router_topk") or 2,
                        moe_ffn_hidden_size=get("moe_ffn_hidden_size") or ffn,
-                       moe_norm_topk_prob=not get("moe_router_pre_softmax"))
+                       moe_norm_topk_prob=not get("moe_router_pre_softmax"),
+                       moe_shared_expert_intermediate_size=get("moe_shared_expert_intermediate_size") or None,
+                       moe_shared_expert_gate=bool(get("moe_shared_expert_gate")))
         glm4 = bool(get("post_self_attn_layernorm"))
-        family = ("qwen3_moe" if experts else "qwen3" if get("qk_layernorm") else "glm4" if glm4
+        family = ("qwen3_moe" if experts and get("qk_layernorm") else "qwen2_moe" if experts
+                  else "qwen3" if get("qk_layernorm") else "glm4" if glm4
                   else "qwen2" if get("add_qkv_bias") else "llama")
         return cls(
             num_layers=get("num_layers"),
@@ -387,6 +398,48 @@ class ModelArch:
             hf_family=family,
             **moe,
         )
+
+
+def _hf_moe(hf_config: Any, model_type: str) -> dict[str, Any]:
+    """ModelArch's MoE fields of a qwen3_moe or qwen2_moe HF config (empty for a dense model). Qwen2-MoE's router
+    leaves the top-k weights unnormalised by default (norm_topk_prob false), Qwen3-MoE's normalises them."""
+    if model_type not in ("qwen3_moe", "qwen2_moe"):
+        return {}
+    if _cfg(hf_config, "mlp_only_layers") or _cfg(hf_config, "decoder_sparse_step", 1) != 1:
+        raise NotImplementedError(f"{model_type} with dense layers mixed in")
+    moe = dict(
+        num_experts=_cfg(hf_config, "num_experts"),
+        moe_router_topk=_cfg(hf_config, "num_experts_per_tok"),
+        moe_ffn_hidden_size=_cfg(hf_config, "moe_intermediate_size"),
+        moe_norm_topk_prob=bool(_cfg(hf_config, "norm_topk_prob", model_type == "qwen3_moe")),
+    )
+    if model_type == "qwen2_moe":
+        shared = _cfg(hf_config, "shared_expert_intermediate_size")
+        if not shared:
+            raise NotImplementedError(f"qwen2_moe with shared_expert_intermediate_size {shared}")
+        moe.update(moe_shared_expert_intermediate_size=int(shared), moe_shared_expert_gate=True)
+    return moe
+
+
+def moe_flag_problems(get) -> list[str]:
+    """The MoE families' flags: an MoE model with --qk-layernorm is Qwen3-MoE (no shared expert), one without is
+    Qwen2-MoE, whose HF modelling code (Qwen2MoeSparseMoeBlock) always has a shared expert with a sigmoid gate.
+    `get`: a flag dest's value (`flags.get`). Each problem names its flags."""
+    experts = get("num_experts")
+    shared, gate = get("moe_shared_expert_intermediate_size"), get("moe_shared_expert_gate")
+    given = " ".join(ARCH_FLAGS[d][0] + ("" if d == "moe_shared_expert_gate" else f" {get(d)}")
+                     for d in ("moe_shared_expert_intermediate_size", "moe_shared_expert_gate") if get(d))
+    if not experts:
+        return [f"{given} without --num-experts: a shared expert is part of an MoE layer"] if given else []
+    if get("qk_layernorm"):
+        return [f"{given} with --qk-layernorm: Qwen3-MoE models (the MoE family with --qk-layernorm) have no shared "
+                "expert"] if given else []
+    if not (shared and gate):
+        missing = " ".join(ARCH_FLAGS[d][0] for d in ("moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
+                           if not get(d))
+        return [f"--num-experts without --qk-layernorm is a Qwen2-MoE model, which has a gated shared expert: "
+                f"{missing} is required (or --qk-layernorm for Qwen3-MoE)"]
+    return []
 
 
 def glm4_flag_problems(get) -> list[str]:
@@ -545,6 +598,9 @@ def to_transformer_config(
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
             moe_grouped_gemm=False,
+            # Qwen2-MoE: megatron-core's SharedExpertMLP computes HF's sigmoid(x @ gate^T) * shared_mlp(x)
+            moe_shared_expert_intermediate_size=arch.moe_shared_expert_intermediate_size,
+            moe_shared_expert_gate=arch.moe_shared_expert_gate,
         )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

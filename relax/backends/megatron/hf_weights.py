@@ -1,4 +1,4 @@
-"""Hugging Face <-> Megatron weights for Llama / Qwen2 / Qwen3 (and Qwen3-MoE) / GLM4.
+"""Hugging Face <-> Megatron weights for Llama / Qwen2 / Qwen3 (and Qwen3-MoE, Qwen2-MoE) / GLM4.
 
 Loading walks Megatron's parameters, builds each one's full tensor from HF
 tensors (fusing Q/K/V per query group and gate/up into `linear_fc1`; GLM4's HF
@@ -123,6 +123,13 @@ def _layer_hf_names(layer: int, suffix: str, gate_up: bool = False) -> Optional[
         return "copy", [p + suffix]
     if suffix == "mlp.router.weight":
         return "copy", [p + "mlp.gate.weight"]
+    # Qwen2-MoE's shared expert (megatron-core's SharedExpertMLP: a TP-split MLP plus an unsplit gate [1, hidden])
+    if suffix == "mlp.shared_experts.linear_fc1.weight":
+        return "fc1", [p + "mlp.shared_expert.gate_proj.weight", p + "mlp.shared_expert.up_proj.weight"]
+    if suffix == "mlp.shared_experts.linear_fc2.weight":
+        return "copy", [p + "mlp.shared_expert.down_proj.weight"]
+    if suffix == "mlp.shared_experts.gate_weight":
+        return "copy", [p + "mlp.shared_expert_gate.weight"]
     return None
 
 
