@@ -5,6 +5,8 @@ one is exercised by every embedded-default run and tests/test_tasks_tiny.py."""
 
 import hashlib
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -57,3 +59,12 @@ def test_key_depends_on_seed_and_cache_can_be_turned_off(tmp_path, monkeypatch):
     out = emb.build_embedded_assets(str(tmp_path / "m"), str(tmp_path / "t.jsonl"), seed=1)
     assert out["cache"] == "off" and out["warm_start"]["seed"] == 1
     assert json.loads((tmp_path / "m" / "relax_embedded.json").read_text())["seed"] == 1
+
+
+def test_cache_key_does_not_import_torch():
+    """The key is computed on the launch's serial path, before Ray starts: torch's import (seconds of CPU) must
+    not happen there (the controller imports it on a thread meanwhile, relax.core.run)."""
+    code = ("import sys; from relax.models.embedded import cache_key; cache_key(1); "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

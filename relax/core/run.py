@@ -4,8 +4,8 @@ under --use-health-check), signals, and the exit code.
 
 Start-up overlap: relax.core.controller imports torch, Megatron-core and TransferQueue (seconds of CPU on a small
 machine; the driver uses them for the actor classes and the data plane). That import runs in a thread while
-the main thread starts Ray, whose own processes take seconds to come up; so this module imports the
-controller in `_ControllerImport`, not at its top."""
+the main thread prepares the run and starts Ray, whose own processes take seconds to come up; so this module
+imports the controller in `_ControllerImport`, not at its top."""
 
 from __future__ import annotations
 
@@ -106,6 +106,8 @@ def prepare_run(config: Config) -> int | None:
 
 def run_controller(config: Config) -> int:
     """The whole run; its exit code (0, 1 failed, 2 a preflight error, 128 + N for signal N)."""
+    # from the first moment: the import overlaps the run's preparation and Ray's start
+    controller_import = _ControllerImport()
     code = prepare_run(config)
     if code is not None:
         return code
@@ -116,7 +118,6 @@ def run_controller(config: Config) -> int:
     os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     _install_signal_handlers()
     earlier_children = {p.pid for p in descendants()}  # e.g. a test's servers: the shutdown leaves them alone
-    controller_import = _ControllerImport()
     controller = None
     started_ray = False
     try:

@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import tempfile
+from importlib import metadata
 from pathlib import Path
 
 from relax.models.tasks import generate_task_dataset
@@ -60,14 +61,14 @@ def cache_root() -> Path | None:
 
 
 def cache_key(seed: int) -> str:
-    """Hash of what builds the assets: spec, model shape, builder source code, torch/transformers versions."""
-    import torch
-    import transformers
+    """Hash of what builds the assets: spec, model shape, builder source code, torch/transformers versions.
 
+    The versions come from the installed distributions' metadata: importing torch here would put seconds of
+    CPU on the launch's serial path before Ray starts (the controller imports it on a thread meanwhile)."""
     here = Path(__file__).parent
     h = hashlib.sha256()
     h.update(json.dumps({"spec": embedded_spec(seed), "arch": dataclasses.asdict(EMBEDDED_ARCH),
-                         "torch": torch.__version__, "transformers": transformers.__version__},
+                         "torch": metadata.version("torch"), "transformers": metadata.version("transformers")},
                         sort_keys=True).encode())
     for name in _BUILDER_MODULES:
         h.update(name.encode())
