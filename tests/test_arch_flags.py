@@ -98,7 +98,8 @@ def test_moe_flags_that_agree_are_accepted_and_build_the_same_model(moe_model, p
     with pytest.raises(ConfigError, match="--moe-router-topk 8: the HF config gives 2") as exc:
         parse_config(_run(moe_model, prompt_file, tmp_path, "--moe-router-topk", "8",
                           "--moe-shared-expert-intermediate-size", "64"))
-    assert "--moe-shared-expert-intermediate-size 64: the HF config has none (no shared expert)" in str(exc.value)
+    assert ("--moe-shared-expert-intermediate-size 64: the HF config has none (shared_expert_intermediate_size: "
+            "model_type qwen2_moe has a shared expert") in str(exc.value)
 
 
 def test_from_flags_equals_from_hf_config_for_the_same_shape(tiny_model, prompt_file, tmp_path):
@@ -184,7 +185,7 @@ def test_every_honoured_architecture_flag_is_a_parser_flag_with_help():
         "apply_residual_connection_post_layernorm", "attention_output_gate", "multi_latent_attention",
         "rotary_seq_len_interpolation_factor", "moe_router_score_function",
         "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
-        "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size"}
+        "moe_router_enable_expert_bias"}
 
 
 def test_features_no_supported_model_has_stay_refused_when_the_model_cannot_be_read(prompt_file, tmp_path):
