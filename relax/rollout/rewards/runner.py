@@ -44,6 +44,12 @@ Failure policy (``on_error``)
     the trainer counts a step's failed rewards (``train/reward_failed_samples``)
     and stops the run when every one of them failed (``check_step_rewards``).
 
+The reward server (--rm-type remote_rm, --rm-url) with --use-fault-tolerance
+  Requests to it go through its watch (``server_watch``, `relax.rollout.rewards.server_health`): while the
+  server does not answer its /health probe they are held and sent again once it does; a server gone for
+  longer than --reward-timeout raises `RewardServerLost`, which stops the step whatever ``on_error`` says
+  (a reward that could not be asked for is not a reward of 0.0).
+
 Failures name the sample by its prompt group, place in the group, prompt row and
 rollout step (``Sample.describe``); its global index is not assigned yet while
 the step's rollout runs.
@@ -65,6 +71,8 @@ from relax.observability import timeline
 from relax.rollout.rewards.custom import CustomReward, load_custom_reward
 from relax.rollout.rewards.genrm import GENRM_TYPE, active_judge
 from relax.rollout.rewards.registry import BATCHED, INLINE, PER_CALL, call_mode, get_reward_fn, resolve_rm_type
+from relax.rollout.rewards.remote import RemoteRewardModel
+from relax.rollout.rewards.server_health import RewardServerLost, RewardServerWatch, watch_from_args
 
 __all__ = ["RewardRunner", "RewardResult", "RewardError", "AllRewardsFailedError", "check_step_rewards",
            "reward_name", "score_samples", "ascore_samples", "reward_to_float"]
@@ -250,6 +258,7 @@ class RewardRunner:
         max_concurrency: int = 256,
         rm_options: Optional[dict] = None,
         timeout_s: Optional[float] = None,
+        server_watch: Optional[RewardServerWatch] = None,
     ) -> None:
         if on_error not in ON_ERROR_POLICIES:
             raise ValueError(f"on_error must be one of {ON_ERROR_POLICIES}, got {on_error!r}")
@@ -270,6 +279,7 @@ class RewardRunner:
         self.max_concurrency = int(max_concurrency)
         self.timeout_s = timeout_s  # per call (--reward-timeout); None waits forever
         self.rm_options = dict(rm_options or {})
+        self.server_watch = server_watch  # the reward server's watch (--rm-url with --use-fault-tolerance)
         self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="relax-reward")
         self._fns: dict[str, Any] = {}
         self.genrm: Any = None  # relax.rollout.rewards.genrm.GenRMJudge; None: the process's active judge
@@ -293,6 +303,8 @@ class RewardRunner:
             rm_options=rm_options,
         )
         kw.update(overrides)
+        if "server_watch" not in kw and not kw["custom_rm_path"]:
+            kw["server_watch"] = watch_from_args(args, kw["rm_type"])
         return cls(**kw)
 
     # ------------------------------------------------------------------ lifecycle
@@ -331,6 +343,14 @@ class RewardRunner:
             return await fn(response, label, metadata)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, fn, response, label, metadata)
+
+    def _watch_for(self, fn: Any, metadata: dict) -> Optional[RewardServerWatch]:
+        """The reward server's watch for a request to it (not for a sample that names a server of its own)."""
+        watch = self.server_watch
+        inner = getattr(fn, "inner", fn)  # boxed_remote_rm wraps the remote model
+        if watch is None or not isinstance(inner, RemoteRewardModel):
+            return None
+        return watch if inner._url_for(metadata) == watch.url else None
 
     def _timeout_error(self) -> TimeoutError:
         return TimeoutError(f"the reward call did not return within {self.timeout_s:g} s (--reward-timeout)")
@@ -446,10 +466,19 @@ class RewardRunner:
                         raw = await self._deadline(self._judge().ajudge(sample))
                     else:
                         fn = self._fn(rm_name)
-                        raw = await self._deadline(self._call_builtin(fn, _response(sample), _field(sample, "label"),
-                                                                      metadata))
+
+                        def request() -> Any:
+                            return self._deadline(self._call_builtin(fn, _response(sample), _field(sample, "label"),
+                                                                     metadata))
+
+                        watch = self._watch_for(fn, metadata)
+                        if watch is None:
+                            raw = await request()
+                        else:
+                            step = _field(sample, "rollout_step")
+                            raw = await watch.call(request, step if isinstance(step, int) else None)
             return [reward_to_float(raw, self.reward_key)], [raw], []
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, RewardServerLost):
             raise
         except Exception as e:
             self._failure(sample_label(sample, idx, place), rm_name, e, [sample])
