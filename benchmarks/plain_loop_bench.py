@@ -3,6 +3,10 @@
     .venv/bin/python benchmarks/plain_loop_bench.py                 # both, 10 steps each
     .venv/bin/python benchmarks/plain_loop_bench.py --steps 6 --skip-relax
     .venv/bin/python benchmarks/plain_loop_bench.py --steps 8 --rounds 3   # relax, loop, relax, loop, ...
+    .venv/bin/python benchmarks/plain_loop_bench.py --steps 3 --warmup 1 --extra <examples/smollm2/run.sh's flags>
+
+With `--extra` model and data flags both sides run that model instead (SmolLM2-135M: the flags of
+examples/smollm2/run.sh, its --custom-rm-path reward; the fully-async issue's floor on that model).
 
 The loop is the floor `relax-train` must beat: no Ray, no HTTP, no data plane. Per step it does the same work
 as the embedded default (`relax-train --output-dir DIR`, no model or data flags): the same tiny model,
@@ -41,6 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from relax.config.env import threads_per_process
 
@@ -97,6 +102,7 @@ def run_loop(config, steps: int, threads: int) -> list[dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from relax import algorithms as alg
+    from relax.config.validate import import_hook
     from relax.models.embedded import build_embedded_assets
     from relax.rollout.prompts import encode_prompt
     from relax.rollout.rewards.builtin import exact_match_reward
@@ -105,7 +111,16 @@ def run_loop(config, steps: int, threads: int) -> list[dict]:
     torch.set_num_threads(threads)
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
-    build_embedded_assets(config.hf_checkpoint, config.prompt_data, seed=config.seed % 1000)
+    if config.meta.get("embedded_default"):
+        build_embedded_assets(config.hf_checkpoint, config.prompt_data, seed=config.seed % 1000)
+    # the run's reward: --custom-rm-path (e.g. the SmolLM2 example's number match), else the exact match
+    custom_rm = import_hook(config.custom_rm_path, "--custom-rm-path") if config.custom_rm_path else None
+
+    def reward(text: str, label: Any) -> float:
+        if custom_rm is None:
+            return exact_match_reward(text, label)
+        return float(custom_rm(config, {"response_text": text, "label": label}))
+
     tok = AutoTokenizer.from_pretrained(config.hf_checkpoint)
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(config.hf_checkpoint, torch_dtype=torch.float32)
@@ -156,7 +171,7 @@ def run_loop(config, steps: int, threads: int) -> list[dict]:
         rewards = []
         for i in range(samples):
             toks = [t for t, m in zip(resp[i].tolist(), mask[i].tolist()) if m and t != eos]
-            rewards.append(exact_match_reward(tok.decode(toks), batch[i // k][config.label_key]))
+            rewards.append(reward(tok.decode(toks), batch[i // k][config.label_key]))
         rewards_t = torch.tensor(rewards)
         t2 = time.perf_counter()
         # ---- ref: the frozen initial model's log-probs
