@@ -1,0 +1,138 @@
+"""The reward server's watch in whole runs (the shared Ray, 1 trainer rank, the embedded engine, --rm-type remote_rm
+at a reward server process the test starts, --use-fault-tolerance), with the faults of the test-only injection
+(relax.core.health_faults, role=reward) armed on the rollout manager:
+
+* SIGSTOP at step 1's first reward request, SIGCONT 4 s later: found within the probe's interval and timeout,
+  named in <output-dir>/reward_server.jsonl, the held requests sent again; the run finishes, every sample id is
+  trained exactly once and no failed reward (0.0, `reward_error`) is trained on;
+* SIGKILL, never back: the run ends with exit code 1 and one line naming the server, `dead` and --reward-timeout.
+
+`pytest -s` prints the measured detection and recovery times."""
+
+import json
+import logging
+import signal
+import time
+
+import pytest
+import ray
+
+import reward_server_proc
+from conftest import assert_ray_released, run_steps, shared_ray, shared_tiny_model
+
+from relax.config import parse_config
+from relax.core.controller import Controller
+from relax.core.health_faults import RankFault
+from relax.core.run import run_controller
+from relax.models.tasks import generate_task_dataset
+from relax.observability.accounting import step_problems
+from relax.observability.train_dump import load_train_data
+from relax.rollout.debug_data import load_rollout_data
+
+pytestmark = pytest.mark.e2e  # whole runs: Ray, a trainer rank, an engine (deselect with -m 'not e2e')
+BATCH, N = 2, 2  # prompts per step, samples per prompt
+INTERVAL, PROBE_TIMEOUT = 0.5, 2.0
+
+
+@pytest.fixture
+def server(tmp_path):
+    proc, url, hits = reward_server_proc.start(tmp_path)
+    yield proc, url, hits
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+    proc.wait(10)
+
+
+def _config(tmp_path, url, steps, *extra):
+    data = str(generate_task_dataset(tmp_path / "train.jsonl", 20, seed=0, task="add_mod10"))
+    out = tmp_path / "out"
+    return parse_config([
+        "--hf-checkpoint", str(shared_tiny_model()), "--prompt-data", data, "--apply-chat-template",
+        "--input-key", "input", "--label-key", "label", "--rm-type", "remote_rm", "--rm-url", url,
+        "--reward-error-policy", "zero",  # without the watch a failed reward would be trained on as 0.0
+        "--rollout-batch-size", str(BATCH), "--n-samples-per-prompt", str(N), "--num-rollout", str(steps),
+        "--rollout-max-response-len", "4", "--micro-batch-size", "2", "--lr", "1e-3", "--lr-decay-style", "constant",
+        "--resource", json.dumps({"actor": [1, 1], "rollout": [1, 1]}), "--num-data-storage-units", "1",
+        "--distributed-backend", "gloo", "--use-fault-tolerance",
+        "--rollout-health-check-interval", str(INTERVAL), "--rollout-health-check-timeout", str(PROBE_TIMEOUT),
+        "--output-dir", str(out), *extra])
+
+
+def _arm(spec):
+    """Arm `spec` on the rollout manager's reward server watch (the shared Ray's workers do not see the test's
+    RELAX_TEST_TRAINER_FAULT, which `relax-train` runs read)."""
+
+    def arm(manager, text):
+        manager.rewards.server_watch.fault = RankFault.parse(text)
+
+    def after_start(controller):
+        ray.get(controller.rollout.__ray_call__.remote(arm, spec))
+
+    return after_start
+
+
+def _events(out):
+    return [json.loads(x) for x in (out / "reward_server.jsonl").read_text().splitlines()]
+
+
+def test_hung_reward_server_resumed(tmp_path, server):
+    proc, url, hits = server
+    shared_ray()
+    out = tmp_path / "out"
+    config = _config(tmp_path, url, 2, "--reward-timeout", "30",
+                     "--save-debug-rollout-data", str(out / "rollout" / "{rollout_id}.jsonl"),
+                     "--save-debug-train-data", str(out / "train" / "{rollout_id}.pt"))
+    t0 = time.monotonic()
+    records = run_steps(config, after_start=_arm("hang:role=reward:step=1:resume=4"))
+    elapsed = time.monotonic() - t0
+
+    events = _events(out)
+    assert [e["event"] for e in events] == ["fault_injected", "down", "up"], events
+    fired, down, up = events
+    detect_s, back_s = down["time"] - fired["time"], up["time"] - fired["time"]
+    assert fired["step"] == 1 and "hung: " in down["why"]
+    assert detect_s <= INTERVAL + PROBE_TIMEOUT + 1.0, detect_s  # one interval and probe timeout (+ load slack)
+    assert 4.0 <= back_s <= 4.0 + INTERVAL + PROBE_TIMEOUT + 2.0, back_s  # back at the SIGCONT, found at once
+    assert up["held"] >= 1  # the step's requests sent before it was found were sent again
+    print(f"reward server hung: named {detect_s:.2f} s after SIGSTOP, answering again {back_s:.2f} s after it "
+          f"(SIGCONT at 4 s), {up['held']} request(s) held and sent again; run {elapsed:.1f} s")
+
+    assert [r["step"] for r in records] == [0, 1]
+    for step, rec in enumerate(records):
+        assert step_problems(rec, trained_expected=True) == []
+        assert rec["samples/reward_failed"] == 0 and rec["train/reward_failed_samples"] == 0
+        samples = load_rollout_data(config.save_debug_rollout_data, step)
+        assert all("reward_error" not in s.metadata for s in samples)
+        assert {s.reward for s in samples} <= {reward_server_proc.OK, reward_server_proc.OTHER}  # the server's
+        trained = [int(r["index"]) for r in load_train_data(str(out / "train" / f"{step}.pt"))["samples"]]
+        assert sorted(trained) == list(range(step * BATCH * N, (step + 1) * BATCH * N))  # each id once
+    answered = len(hits.read_text().splitlines())
+    assert answered >= 2 * BATCH * N  # every request answered by the server (held ones possibly twice)
+
+
+def test_killed_reward_server_ends_the_run(tmp_path, server, monkeypatch, caplog):
+    proc, url, _ = server
+    shared_ray()
+    out = tmp_path / "out"
+    config = _config(tmp_path, url, 1, "--reward-timeout", "3")
+    start = Controller.start
+
+    def start_and_arm(self):
+        start(self)
+        _arm("kill:role=reward:step=0")(self)
+
+    monkeypatch.setattr(Controller, "start", start_and_arm)
+    with caplog.at_level(logging.INFO, logger="relax"):
+        assert run_controller(config) == 1
+    assert_ray_released()
+    assert proc.wait(5) == -signal.SIGKILL
+    failed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("run failed: ")]
+    assert len(failed) == 1 and "\n" not in failed[0], failed
+    line = failed[0]
+    assert f"step 0, generate: RewardServerLost: reward server {url} does not answer /health for " in line
+    assert "(dead: connection" in line and "(--reward-timeout 3)" in line
+    events = _events(out)
+    assert [e["event"] for e in events] == ["fault_injected", "down", "lost"], events
+    print(f"reward server killed: named {events[1]['time'] - events[0]['time']:.2f} s after SIGKILL, the run "
+          f"stopped {events[2]['time'] - events[0]['time']:.2f} s after it")
