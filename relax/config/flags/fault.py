@@ -4,7 +4,10 @@
 def add_flags(parser):
     g = parser.add_argument_group("Fault tolerance")
     g.add_argument("--use-fault-tolerance", action="store_true", default=False,
-                   help="Detect dead rollout engines, route around them and restart them.")
+                   help="Detect dead rollout engines, route around them and restart them; with --rm-type remote_rm "
+                        "also watch the reward server at --rm-url (its /health, on the probe flags below): while it "
+                        "does not answer, its reward requests are held and sent again once it does, at most "
+                        "--reward-timeout seconds, after which the run stops naming it.")
     g.add_argument("--use-health-check", action="store_true", default=False,
                    help="Run the HealthManager: heartbeats of every Megatron rank and of the rollout manager, and "
                         "on a failure a restart of the run from its last checkpoint (at most --max-global-restart "
@@ -21,8 +24,8 @@ def add_flags(parser):
                    help="With --use-health-check: a rank or the rollout manager without a heartbeat for this many "
                         "seconds is failed (a stopped or dead process), naming its role, rank, pid and the step; "
                         "at least twice --heartbeat-interval.")
-    g.add_argument("--rollout-health-check-interval", type=float, default=30.0, help="Seconds between engine health probes.")
-    g.add_argument("--rollout-health-check-timeout", type=float, default=30.0, help="Seconds before a health probe fails.")
+    g.add_argument("--rollout-health-check-interval", type=float, default=30.0, help="Seconds between engine health probes (and reward server probes).")
+    g.add_argument("--rollout-health-check-timeout", type=float, default=30.0, help="Seconds before a health probe (of an engine or the reward server) fails.")
     g.add_argument("--rollout-health-check-first-wait", type=float, default=0,
                    help="Seconds to wait before the first probe (raise for slow kernel warm-up).")
 

@@ -30,7 +30,9 @@ def add_flags(parser):
     g.add_argument("--reward-timeout", type=float, default=600.0,
                    help="Seconds one reward call (a sample, or a group with --group-rm) may take; a call that has "
                         "not returned by then is a reward failure and follows --reward-error-policy (Relax's own "
-                        "flag: without it a reward function that never returns would hang the step).")
+                        "flag: without it a reward function that never returns would hang the step). With "
+                        "--use-fault-tolerance also how long a step waits for a reward server (--rm-url) that does "
+                        "not answer before the run stops.")
 
     g = parser.add_argument_group("Generative reward model")
     g.add_argument("--genrm-model-path", type=str, default=None,
