@@ -181,7 +181,7 @@ def test_every_honoured_architecture_flag_is_a_parser_flag_with_help():
     relax_own = {"post_self_attn_layernorm", "post_mlp_layernorm"}  # GLM4's: help in relax.config.flags.misc
     assert set(ARCH_FLAG_HELP) == ARCH_FEATURES - relax_own and ARCH_FEATURES <= dests and ARCH_FEATURES <= IMPLEMENTED
     assert set(ARCH_FLAGS) - ARCH_FEATURES == {  # features no supported model has: refused when set
-        "squared_relu", "openai_gelu", "quick_geglu", "layernorm_zero_centered_gamma", "qk_l2_norm",
+        "openai_gelu", "quick_geglu", "qk_l2_norm",
         "apply_residual_connection_post_layernorm", "attention_output_gate", "multi_latent_attention",
         "rotary_seq_len_interpolation_factor", "moe_router_score_function",
         "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",

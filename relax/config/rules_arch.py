@@ -19,7 +19,8 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
-from relax.backends.megatron.arch import ARCH_FLAGS, SIZE_FLAGS, ModelArch, glm4_flag_problems, moe_flag_problems
+from relax.backends.megatron.arch import (ARCH_FLAGS, SIZE_FLAGS, ModelArch, glm4_flag_problems, moe_flag_problems,
+                                          nemotron_flag_problems)
 from relax.config.errors import ConfigError
 from relax.config.presets import embedded_paths
 from relax.config.support import same_value
@@ -42,7 +43,12 @@ ARCH_FLAG_HELP: dict[str, str] = {
                         "every head has its own)." + _CHECKED,
     "kv_channels": "Width of each attention head (unset: --hidden-size / --num-attention-heads)." + _CHECKED,
     "swiglu": "Gated SiLU (SwiGLU) MLP." + _CHECKED,
-    "normalization": "Normalisation layer type." + _CHECKED,
+    "squared_relu": "Non-gated MLP with squared ReLU, relu(x)^2 (Nemotron models: HF hidden_act relu2; built with "
+                    "--apply-layernorm-1p and --normalization LayerNorm, as Nemotron has all three)." + _CHECKED,
+    "normalization": "Normalisation layer type (LayerNorm in Nemotron models, RMSNorm in the others)." + _CHECKED,
+    "layernorm_zero_centered_gamma": "LayerNorm whose scale is stored zero-centred and applied as weight + 1 "
+                                     "(Nemotron's layernorm1p; with --squared-relu and --normalization LayerNorm)."
+                                     + _CHECKED,
     "layernorm_epsilon": "Epsilon of the normalisation layers." + _CHECKED,
     "qk_layernorm": "Normalise queries and keys in each attention layer (Qwen3 models)." + _CHECKED,
     "position_embedding_type": "Kind of position embedding; the supported models use rope." + _CHECKED,
@@ -52,7 +58,8 @@ ARCH_FLAG_HELP: dict[str, str] = {
     "rotary_base": "Base (theta) of the rotary embedding frequencies." + _CHECKED,
     "rotary_percent": "Fraction of each attention head the rotary embedding rotates (its first dims). Below 1 only "
                       "in GLM4 models (HF partial_rotary_factor, 0.5), built with --post-self-attn-layernorm, "
-                      "--post-mlp-layernorm and --rotary-interleaved." + _CHECKED,
+                      "--post-mlp-layernorm and --rotary-interleaved, and in Nemotron models (0.5, the two halves of "
+                      "the rotated part), built with --squared-relu and --apply-layernorm-1p." + _CHECKED,
     "rotary_interleaved": "Rotate interleaved pairs of dims (2i, 2i+1) instead of the two halves of the head. GLM4 "
                           "models only: Relax builds it with --post-self-attn-layernorm and --post-mlp-layernorm, as "
                           "HF's Glm4ForCausalLM computes it." + _CHECKED,
@@ -212,8 +219,8 @@ def check_arch_flags(v: dict, explicit, defaults: Optional[dict] = None) -> None
     if not v.get("hf_checkpoint"):
         refuse_without_hf(v, given)
     hf = hf_arch(v)
-    if hf is None:  # nothing to compare with; GLM4's and the MoE families' features must still come together
-        problems = glm4_flag_problems(v.get) + moe_flag_problems(v.get)
+    if hf is None:  # nothing to compare with; each family's own features must still come together
+        problems = glm4_flag_problems(v.get) + moe_flag_problems(v.get) + nemotron_flag_problems(v.get)
         if problems:
             raise ConfigError("cannot build the model from the architecture flags: " + "; ".join(problems))
         return

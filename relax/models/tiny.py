@@ -23,9 +23,9 @@ CHATML_TEMPLATE = (
 
 @dataclass(frozen=True)
 class TinyArch:
-    """Shape of the tiny model (a Qwen2-, Llama-, Qwen3-, GLM4- or Qwen2-MoE-family causal LM)."""
+    """Shape of the tiny model (a Qwen2-, Llama-, Qwen3-, GLM4-, Qwen2-MoE- or Nemotron-family causal LM)."""
 
-    family: str = "qwen2"  # qwen2 | llama | qwen3 | glm4 | qwen2_moe
+    family: str = "qwen2"  # qwen2 | llama | qwen3 | glm4 | qwen2_moe | nemotron
     hidden_size: int = 64
     intermediate_size: int = 176
     num_hidden_layers: int = 2
@@ -62,7 +62,7 @@ def build_byte_tokenizer():
 
 
 def build_hf_config(arch: TinyArch, vocab_size: int):
-    from transformers import Glm4Config, LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config
+    from transformers import Glm4Config, LlamaConfig, NemotronConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -90,7 +90,13 @@ def build_hf_config(arch: TinyArch, vocab_size: int):
         # top-k routing weights not renormalised (norm_topk_prob false)
         return Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                               shared_expert_intermediate_size=48, norm_topk_prob=False, qkv_bias=True)
-    raise ValueError(f"unknown tiny model family {arch.family!r} (qwen2, llama, qwen3, glm4, qwen2_moe)")
+    if arch.family == "nemotron":  # Nemotron-Mini's features: squared-ReLU MLP, LayerNorm1P, half the head rotated
+        nemotron = {k: v for k, v in common.items() if k not in ("rope_theta", "rms_norm_eps")}
+        return NemotronConfig(**nemotron, head_dim=arch.hidden_size // arch.num_attention_heads,
+                              norm_eps=arch.rms_norm_eps,
+                              rope_parameters={"rope_type": "default", "rope_theta": arch.rope_theta,
+                                               "partial_rotary_factor": 0.5})
+    raise ValueError(f"unknown tiny model family {arch.family!r} (qwen2, llama, qwen3, glm4, qwen2_moe, nemotron)")
 
 
 def build_tiny_model_dir(path: str | Path, arch: TinyArch | None = None, seed: int = 0) -> Path:

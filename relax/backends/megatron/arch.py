@@ -1,7 +1,7 @@
 """Model architecture: what an HF config or Megatron's architecture flags say, in the terms Megatron-core needs.
 
 `ModelArch` is a frozen, hashable description of a decoder-only transformer
-(Llama, Qwen2, Qwen3 dense, Qwen3-MoE, Qwen2-MoE and GLM4 dense). It is built from an HF config
+(Llama, Qwen2, Qwen3 dense, Qwen3-MoE, Qwen2-MoE, GLM4 dense and Nemotron). It is built from an HF config
 (`from_hf_config`) or from Megatron's architecture flags (`from_flags`), and
 `to_flags` states it back as those flags. `to_transformer_config` turns it plus
 the parallel layout and precision into a Megatron `TransformerConfig`.
@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 __all__ = ["ARCH_FLAGS", "BUILDABLE_FLAGS", "SIZE_FLAGS", "ModelArch", "arch_for_run", "to_transformer_config",
-           "pad_vocab_size", "glm4_flag_problems", "moe_flag_problems"]
+           "pad_vocab_size", "glm4_flag_problems", "moe_flag_problems",
+           "nemotron_flag_problems"]
 
-_SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "glm4")
+_SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "glm4", "nemotron")
 
 # Megatron's architecture flags (argparse dest -> (flag, where an HF config states the same fact)). These are
 # the flags of the Megatron parser that decide the shape of the model Relax builds; `ModelArch.to_flags` gives
@@ -35,12 +36,12 @@ ARCH_FLAGS: dict[str, tuple[str, str]] = {
     "num_query_groups": ("--num-query-groups", "num_key_value_heads"),
     "kv_channels": ("--kv-channels", "head_dim, else hidden_size / num_attention_heads"),
     "swiglu": ("--swiglu", "hidden_act silu, gated MLP"),
-    "squared_relu": ("--squared-relu", "hidden_act"),
+    "squared_relu": ("--squared-relu", "hidden_act relu2, a non-gated MLP: model_type nemotron"),
     "openai_gelu": ("--openai-gelu", "hidden_act"),
     "quick_geglu": ("--quick-geglu", "hidden_act"),
-    "normalization": ("--normalization", "RMSNorm in every supported model"),
-    "layernorm_epsilon": ("--norm-epsilon", "rms_norm_eps"),
-    "layernorm_zero_centered_gamma": ("--apply-layernorm-1p", "the supported Llama/Qwen models have none"),
+    "normalization": ("--normalization", "LayerNorm in model_type nemotron, RMSNorm in the other families"),
+    "layernorm_epsilon": ("--norm-epsilon", "rms_norm_eps, norm_eps in model_type nemotron"),
+    "layernorm_zero_centered_gamma": ("--apply-layernorm-1p", "model_type nemotron (NemotronLayerNorm1P: weight + 1)"),
     "apply_residual_connection_post_layernorm": ("--apply-residual-connection-post-layernorm", "pre-norm models"),
     "qk_layernorm": ("--qk-layernorm", "model_type qwen3 / qwen3_moe (q_norm, k_norm)"),
     "qk_l2_norm": ("--qk-l2-norm", "the supported Llama/Qwen models have none"),
@@ -50,7 +51,8 @@ ARCH_FLAGS: dict[str, tuple[str, str]] = {
     "use_rotary_position_embeddings": ("--use-rotary-position-embeddings", "RoPE"),
     "add_position_embedding": ("--no-position-embedding", "no learned position table (RoPE)"),
     "rotary_base": ("--rotary-base", "rope_theta"),
-    "rotary_percent": ("--rotary-percent", "partial_rotary_factor: 0.5 in GLM4, the whole head elsewhere"),
+    "rotary_percent": ("--rotary-percent", "partial_rotary_factor: 0.5 in GLM4 and Nemotron, the whole head "
+                                           "elsewhere"),
     "rotary_interleaved": ("--rotary-interleaved", "model_type glm4 rotates interleaved pairs, Llama/Qwen "
                                                    "models the two halves of the head"),
     "rotary_seq_len_interpolation_factor": ("--rotary-seq-len-interpolation-factor", "rope_scaling"),
@@ -89,7 +91,7 @@ SIZE_FLAGS: dict[str, str] = {
 
 # Flags of features the supported families do not have, with the value that leaves the feature off.
 _ABSENT_FEATURES: dict[str, Any] = {
-    "squared_relu": False, "openai_gelu": False, "quick_geglu": False, "layernorm_zero_centered_gamma": False,
+    "openai_gelu": False, "quick_geglu": False,
     "apply_residual_connection_post_layernorm": False, "qk_l2_norm": False, "attention_output_gate": False,
     "multi_latent_attention": False, "rotary_seq_len_interpolation_factor": None,
     "moe_router_score_function": "softmax", "moe_router_topk_scaling_factor": None, "moe_router_num_groups": None,
@@ -104,6 +106,12 @@ BUILDABLE_FLAGS: frozenset[str] = frozenset(ARCH_FLAGS) - frozenset(_ABSENT_FEAT
 # RoPE on the first `partial_rotary_factor` of each head, on interleaved pairs (dims 2i, 2i+1) instead of the two
 # halves, and an RMSNorm on the attention's and on the MLP's output before each residual add.
 _GLM4_ONLY = ("rotary_interleaved", "post_self_attn_layernorm", "post_mlp_layernorm")
+
+# Nemotron's features, which no other supported family has (its HF modelling code, NemotronMLP/NemotronLayerNorm1P):
+# a non-gated MLP with squared ReLU (relu2) and LayerNorms (with bias) whose scale is stored as gamma - 1. Its partial
+# RoPE rotates the two halves of the first `partial_rotary_factor` of each head (Megatron's non-interleaved RoPE).
+_NEMOTRON_ONLY = ("squared_relu", "layernorm_zero_centered_gamma")
+_NEMOTRON_HINT = "--squared-relu --apply-layernorm-1p --normalization LayerNorm"
 
 
 def megatron_default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
@@ -126,10 +134,10 @@ def _cfg(hf_config: Any, name: str, default: Any = None) -> Any:
 
 def _partial_rotary_factor(hf_config: Any, model_type: str) -> float:
     """The fraction of each head that RoPE rotates: `partial_rotary_factor` (in rope_parameters in transformers 5,
-    top-level before), defaulting as transformers does (0.5 for GLM4, the whole head for the other families)."""
+    top-level before), defaulting as transformers does (0.5 for GLM4 and Nemotron, the whole head elsewhere)."""
     params = _cfg(hf_config, "rope_parameters") or {}
     factor = params.get("partial_rotary_factor", _cfg(hf_config, "partial_rotary_factor"))
-    return float(factor if factor is not None else 0.5 if model_type == "glm4" else 1.0)
+    return float(factor if factor is not None else 0.5 if model_type in ("glm4", "nemotron") else 1.0)
 
 
 def _rope(hf_config: Any) -> tuple[float, Optional[float]]:
@@ -168,8 +176,10 @@ class ModelArch:
     rotary_interleaved: bool = False  # RoPE on pairs (2i, 2i+1) (GLM4), not on the head's two halves
     rope_scaling_factor: Optional[float] = None  # llama3-style scaling when set
     norm_epsilon: float = 1e-6
-    normalization: str = "RMSNorm"
+    normalization: str = "RMSNorm"  # LayerNorm (with bias) in Nemotron
     swiglu: bool = True
+    squared_relu: bool = False  # Nemotron's non-gated relu(x)^2 MLP (swiglu False)
+    layernorm_zero_centered_gamma: bool = False  # Nemotron's LayerNorm1P: the scale is stored as gamma - 1
     add_bias_linear: bool = False
     add_qkv_bias: bool = False
     qk_layernorm: bool = False
@@ -200,7 +210,7 @@ class ModelArch:
             raise ValueError(f"hf_family {self.hf_family!r} not in {_SUPPORTED_FAMILIES}")
         glm4 = (self.rotary_interleaved, self.post_self_attn_layernorm, self.post_mlp_layernorm)
         if (self.hf_family == "glm4") != any(glm4) or (any(glm4) and not all(glm4)) \
-                or (self.rotary_percent != 1.0 and self.hf_family != "glm4"):
+                or (self.rotary_interleaved and self.hf_family != "glm4"):
             # the HF export names the model by hf_family: only Glm4ForCausalLM computes these features
             raise ValueError("interleaved or partial RoPE and the post-sublayer norms make a glm4 model, "
                              "and a glm4 model has the three of them")
@@ -210,6 +220,13 @@ class ModelArch:
             # Qwen2MoeSparseMoeBlock always has the gated shared expert; no other family's HF code has one
             raise ValueError("a shared expert and its gate make a qwen2_moe model (an MoE model), and a qwen2_moe "
                              "model has both")
+        nemotron = (self.squared_relu, self.layernorm_zero_centered_gamma, self.normalization == "LayerNorm",
+                    not self.swiglu)
+        if (self.hf_family == "nemotron") != all(nemotron) or (any(nemotron) and not all(nemotron)):
+            raise ValueError("a squared-ReLU non-gated MLP and zero-centred LayerNorms make a nemotron model, and a "
+                             "nemotron model has both")
+        if self.rotary_percent != 1.0 and self.hf_family not in ("glm4", "nemotron"):
+            raise ValueError("only glm4 and nemotron models rotate part of the head")
 
     @property
     def is_moe(self) -> bool:
@@ -223,15 +240,19 @@ class ModelArch:
 
     @classmethod
     def from_hf_config(cls, hf_config: Any, *, vocab_multiple: int = 1) -> "ModelArch":
-        """Build from a transformers config (object or dict) of Llama/Qwen2/Qwen3(-MoE)/GLM4."""
+        """Build from a transformers config (object or dict) of Llama/Qwen2/Qwen3(-MoE)/Qwen2-MoE/GLM4/Nemotron."""
         model_type = _cfg(hf_config, "model_type")
         if model_type not in _SUPPORTED_FAMILIES:
             raise NotImplementedError(f"model_type {model_type!r} is not supported")
         hidden = _cfg(hf_config, "hidden_size")
         heads = _cfg(hf_config, "num_attention_heads")
-        act = _cfg(hf_config, "hidden_act", "silu")
-        if act != "silu":
-            raise NotImplementedError(f"hidden_act {act!r} (only silu/SwiGLU)")
+        nemotron = model_type == "nemotron"
+        want_act = "relu2" if nemotron else "silu"  # Nemotron: non-gated squared ReLU; the others: SwiGLU
+        act = _cfg(hf_config, "hidden_act", want_act)
+        if act != want_act:
+            raise NotImplementedError(f"hidden_act {act!r} in a {model_type} model (only {want_act})")
+        if nemotron and _cfg(hf_config, "attention_bias", False):
+            raise NotImplementedError("nemotron with attention_bias (biases in q/k/v and o_proj)")
         if _cfg(hf_config, "use_sliding_window", False):
             raise NotImplementedError("sliding-window attention is not supported")
         if _cfg(hf_config, "mlp_bias", False):
@@ -239,7 +260,7 @@ class ModelArch:
         base, scaling = _rope(hf_config)
         glm4 = model_type == "glm4"
         partial = _partial_rotary_factor(hf_config, model_type)
-        if partial != 1.0 and not glm4:  # their modelling code rotates the whole head whatever the config says
+        if partial != 1.0 and not (glm4 or nemotron):  # the others' code rotates the whole head whatever the config
             raise NotImplementedError(f"partial_rotary_factor {partial} in a {model_type} model")
         head_dim = _cfg(hf_config, "head_dim") or hidden // heads
         vocab = _cfg(hf_config, "vocab_size")
@@ -262,9 +283,12 @@ class ModelArch:
             rotary_percent=partial,
             rotary_interleaved=glm4,
             rope_scaling_factor=scaling,
-            norm_epsilon=float(_cfg(hf_config, "rms_norm_eps", 1e-6)),
-            normalization="RMSNorm",
-            swiglu=True,
+            norm_epsilon=float(_cfg(hf_config, "norm_eps", 1e-5) if nemotron
+                               else _cfg(hf_config, "rms_norm_eps", 1e-6)),
+            normalization="LayerNorm" if nemotron else "RMSNorm",
+            swiglu=not nemotron,
+            squared_relu=nemotron,
+            layernorm_zero_centered_gamma=nemotron,
             add_bias_linear=False,
             add_qkv_bias=qkv_bias,
             qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
@@ -289,6 +313,8 @@ class ModelArch:
             num_query_groups=self.num_query_groups,
             kv_channels=self.kv_channels,
             swiglu=self.swiglu,
+            squared_relu=self.squared_relu,
+            layernorm_zero_centered_gamma=self.layernorm_zero_centered_gamma,
             normalization=self.normalization,
             layernorm_epsilon=self.norm_epsilon,
             qk_layernorm=self.qk_layernorm,
@@ -339,15 +365,18 @@ class ModelArch:
         max_pos = get("max_position_embeddings") or get("seq_length")
         if not max_pos:
             problems.append("--max-position-embeddings (or --seq-length) is required")
-        if not get("swiglu"):
-            problems.append("--swiglu is required (the supported models have a gated SiLU MLP)")
-        if get("normalization", "LayerNorm") != "RMSNorm":
-            problems.append(f"--normalization {get('normalization', 'LayerNorm')}: the supported models use RMSNorm")
+        nemotron = bool(get("squared_relu") or get("layernorm_zero_centered_gamma"))
+        if not get("swiglu") and not nemotron:
+            problems.append("--swiglu is required (the supported models have a gated SiLU MLP, or Nemotron's "
+                            f"squared ReLU: {_NEMOTRON_HINT})")
+        if get("normalization", "LayerNorm") != "RMSNorm" and not nemotron:
+            problems.append(f"--normalization {get('normalization', 'LayerNorm')}: the supported models use RMSNorm "
+                            f"(Nemotron's zero-centred LayerNorm: {_NEMOTRON_HINT})")
         if not (get("use_rotary_position_embeddings") or get("position_embedding_type") == "rope"):
             problems.append("--position-embedding-type rope (or --use-rotary-position-embeddings) is required")
         if get("add_bias_linear", True):
             problems.append("--disable-bias-linear is required (the supported models have no linear biases)")
-        problems += glm4_flag_problems(get) + moe_flag_problems(get)
+        problems += glm4_flag_problems(get) + moe_flag_problems(get) + nemotron_flag_problems(get)
         for dest, off in _ABSENT_FEATURES.items():
             if get(dest, off) != off:
                 problems.append(f"{ARCH_FLAGS[dest][0]} {get(dest)}: not a feature of the supported models")
@@ -358,7 +387,7 @@ class ModelArch:
         if problems:
             raise ValueError("cannot build the model from the architecture flags: " + "; ".join(problems))
         hidden, heads = get("hidden_size"), get("num_attention_heads")
-        ffn = get("ffn_hidden_size") or megatron_default_ffn_hidden_size(hidden, True)
+        ffn = get("ffn_hidden_size") or megatron_default_ffn_hidden_size(hidden, not nemotron)
         vocab = get("vocab_size") or get("padded_vocab_size")
         padded = get("padded_vocab_size") or pad_vocab_size(vocab, vocab_multiple)
         moe: dict[str, Any] = {}
@@ -370,7 +399,7 @@ class ModelArch:
                        moe_shared_expert_gate=bool(get("moe_shared_expert_gate")))
         glm4 = bool(get("post_self_attn_layernorm"))
         family = ("qwen3_moe" if experts and get("qk_layernorm") else "qwen2_moe" if experts
-                  else "qwen3" if get("qk_layernorm") else "glm4" if glm4
+                  else "qwen3" if get("qk_layernorm") else "glm4" if glm4 else "nemotron" if nemotron
                   else "qwen2" if get("add_qkv_bias") else "llama")
         return cls(
             num_layers=get("num_layers"),
@@ -387,8 +416,10 @@ class ModelArch:
             rotary_interleaved=bool(get("rotary_interleaved")),
             rope_scaling_factor=float(get("rope_scaling_factor") or 8.0) if get("use_rope_scaling") else None,
             norm_epsilon=float(get("layernorm_epsilon") or 1e-5),
-            normalization="RMSNorm",
-            swiglu=True,
+            normalization="LayerNorm" if nemotron else "RMSNorm",
+            swiglu=not nemotron,
+            squared_relu=nemotron,
+            layernorm_zero_centered_gamma=nemotron,
             add_bias_linear=False,
             add_qkv_bias=bool(get("add_qkv_bias")),
             qk_layernorm=bool(get("qk_layernorm")),
@@ -442,16 +473,45 @@ def moe_flag_problems(get) -> list[str]:
     return []
 
 
+def nemotron_flag_problems(get) -> list[str]:
+    """Nemotron's flags come together: --squared-relu (a non-gated relu(x)^2 MLP) and --apply-layernorm-1p with
+    --normalization LayerNorm make the Nemotron family (HF's NemotronForCausalLM has all of them, no other family
+    any); its --rotary-percent rotates the halves of part of each head. `get`: a flag dest's value (`flags.get`).
+    Each problem names its flags."""
+    given = [d for d in _NEMOTRON_ONLY if get(d)]
+    if not given:
+        return []
+    shown = " ".join(ARCH_FLAGS[d][0] for d in given)
+    others = [flag for dest, flag in (("swiglu", "--swiglu"), ("qk_layernorm", "--qk-layernorm"),
+                                      ("num_experts", "--num-experts"), ("add_qkv_bias", "--add-qkv-bias"),
+                                      *((d, ARCH_FLAGS[d][0]) for d in _GLM4_ONLY)) if get(dest)]
+    problems = []
+    if others:
+        problems.append(f"{shown} with {' '.join(others)}: the Nemotron features with another family's (no "
+                        "supported model has both)")
+    missing = [ARCH_FLAGS[d][0] for d in _NEMOTRON_ONLY if d not in given]
+    if get("normalization", "LayerNorm") != "LayerNorm":
+        missing.append(f"--normalization LayerNorm (not {get('normalization')})")
+    if missing:
+        problems.append(f"{shown} without {' '.join(missing)}: Nemotron models (the only family with these features) "
+                        "have all of them")
+    percent = get("rotary_percent") or 1.0
+    if not 0.0 < percent <= 1.0:
+        problems.append(f"--rotary-percent {percent}: not a fraction of the head")
+    return problems
+
+
 def glm4_flag_problems(get) -> list[str]:
     """GLM4's flags come together: the two post-sublayer norms and interleaved RoPE make the GLM4 family (HF's
     Glm4ForCausalLM has all three, no other family any), and only GLM4 rotates part of the head. `get`: a flag
     dest's value (`flags.get`). Each problem names its flags."""
     given = [d for d in _GLM4_ONLY if get(d)]
     percent = get("rotary_percent") or 1.0
-    if not given:
-        return [] if percent == 1.0 else [
+    if not given:  # Nemotron's partial RoPE: nemotron_flag_problems
+        return [] if percent == 1.0 or any(get(d) for d in _NEMOTRON_ONLY) else [
             f"--rotary-percent {percent}: only GLM4 models rotate part of the head (built with "
-            "--post-self-attn-layernorm --post-mlp-layernorm --rotary-interleaved)"]
+            f"--post-self-attn-layernorm --post-mlp-layernorm --rotary-interleaved), and Nemotron models (built with "
+            f"{_NEMOTRON_HINT}) the two halves of part of it"]
     shown = " ".join(ARCH_FLAGS[d][0] for d in given)
     if get("qk_layernorm") or get("num_experts"):
         other = "--num-experts" if get("num_experts") else "--qk-layernorm"
@@ -528,6 +588,7 @@ def to_transformer_config(
     it is identical for every TP size (slow for large models on GPU).
     """
     import torch
+    from megatron.core.activations import squared_relu
     from megatron.core.transformer import TransformerConfig
 
     if params_dtype is None:
@@ -553,7 +614,8 @@ def to_transformer_config(
         normalization=arch.normalization,
         layernorm_epsilon=arch.norm_epsilon,
         gated_linear_unit=arch.swiglu,
-        activation_func=torch.nn.functional.silu,
+        activation_func=squared_relu if arch.squared_relu else torch.nn.functional.silu,
+        layernorm_zero_centered_gamma=arch.layernorm_zero_centered_gamma,
         add_bias_linear=arch.add_bias_linear,
         add_qkv_bias=arch.add_qkv_bias,
         qk_layernorm=arch.qk_layernorm,

@@ -1,8 +1,9 @@
-"""Hugging Face <-> Megatron weights for Llama / Qwen2 / Qwen3 (and Qwen3-MoE, Qwen2-MoE) / GLM4.
+"""Hugging Face <-> Megatron weights for Llama / Qwen2 / Qwen3 (and Qwen3-MoE, Qwen2-MoE) / GLM4 / Nemotron.
 
 Loading walks Megatron's parameters, builds each one's full tensor from HF
 tensors (fusing Q/K/V per query group and gate/up into `linear_fc1`; GLM4's HF
-checkpoint already holds gate and up as one `gate_up_proj`), and
+checkpoint already holds gate and up as one `gate_up_proj`; Nemotron's non-gated MLP has
+up_proj only, and its LayerNorms a bias), and
 copies this rank's tensor-parallel shard. Exporting does the reverse: gathers
 each parameter over its tensor-parallel group and splits it into HF tensors.
 
@@ -91,9 +92,11 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- #
 
 
-def _layer_hf_names(layer: int, suffix: str, gate_up: bool = False) -> Optional[tuple[str, list[str]]]:
+def _layer_hf_names(layer: int, suffix: str, gate_up: bool = False, gated: bool = True
+                    ) -> Optional[tuple[str, list[str]]]:
     """(kind, HF names) for a Megatron parameter suffix inside layer `layer`; `gate_up`: the HF model holds the
-    MLP's gate and up projections as one tensor (GLM4's gate_up_proj, gate rows first).
+    MLP's gate and up projections as one tensor (GLM4's gate_up_proj, gate rows first); `gated` False: the MLP has
+    no gate (Nemotron's up_proj -> relu^2 -> down_proj).
 
     kind is one of "copy", "qkv", "fc1" (HF gate and up tensors), "gate_up" (one HF tensor, [gate; up]).
     """
@@ -103,6 +106,11 @@ def _layer_hf_names(layer: int, suffix: str, gate_up: bool = False) -> Optional[
         return "copy", [p + "input_layernorm.weight"]
     if suffix in ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"):
         return "copy", [p + "post_attention_layernorm.weight"]
+    # LayerNorm biases (Nemotron); Transformer Engine fuses the norm into the next linear layer
+    if suffix in ("input_layernorm.bias", "self_attention.linear_qkv.layer_norm_bias"):
+        return "copy", [p + "input_layernorm.bias"]
+    if suffix in ("pre_mlp_layernorm.bias", "mlp.linear_fc1.layer_norm_bias"):
+        return "copy", [p + "post_attention_layernorm.bias"]
     if suffix == "self_attention.linear_qkv.weight":
         return "qkv", [attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"]
     if suffix == "self_attention.linear_qkv.bias":
@@ -116,6 +124,8 @@ def _layer_hf_names(layer: int, suffix: str, gate_up: bool = False) -> Optional[
     if suffix == "mlp.linear_fc1.weight":
         if gate_up:
             return "gate_up", [p + "mlp.gate_up_proj.weight"]
+        if not gated:
+            return "copy", [p + "mlp.up_proj.weight"]
         return "fc1", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
     if suffix == "mlp.linear_fc2.weight":
         return "copy", [p + "mlp.down_proj.weight"]
@@ -171,8 +181,8 @@ def _param_infos(model: torch.nn.Module, arch: ModelArch) -> list[_ParamInfo]:
             hf = "lm_head.weight" if arch.untie_embeddings_and_output_weights else "model.embed_tokens.weight"
             infos.append(_ParamInfo(name, param, "copy", [hf], is_vocab=True))
             continue
-        if name == "decoder.final_layernorm.weight":
-            infos.append(_ParamInfo(name, param, "copy", ["model.norm.weight"]))
+        if name in ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias"):
+            infos.append(_ParamInfo(name, param, "copy", ["model.norm." + name.rsplit(".", 1)[1]]))
             continue
         match = _LAYER_RE.match(name)
         if match is None:
@@ -187,7 +197,7 @@ def _param_infos(model: torch.nn.Module, arch: ModelArch) -> list[_ParamInfo]:
             mapped = _expert_hf_names(layer, global_expert, expert.group(2))
             expert_key = (layer, local_expert, expert.group(2))
         else:
-            mapped = _layer_hf_names(layer, suffix, gate_up=arch.hf_family == "glm4")
+            mapped = _layer_hf_names(layer, suffix, gate_up=arch.hf_family == "glm4", gated=arch.swiglu)
         if mapped is None:
             raise KeyError(f"no HF counterpart for Megatron parameter {name!r}")
         infos.append(

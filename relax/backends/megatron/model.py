@@ -14,6 +14,7 @@ import torch
 from relax.backends.megatron.arch import ModelArch
 from relax.backends.megatron.context_parallel import with_cp_attention
 from relax.backends.megatron.cpu_compat import apply_cpu_compat, compute_device
+from relax.backends.megatron.layernorm1p import zero_centered_block_spec
 from relax.backends.megatron.megatron_options import call_provider
 from relax.backends.megatron.sequence_parallel import block_spec
 
@@ -126,11 +127,15 @@ def build_gpt_model(
     spec = custom_spec or layer_spec(arch, use_te, grouped_gemm=bool(transformer_config.moe_grouped_gemm))
     if transformer_config.context_parallel_size > 1 and not use_te:  # TE's attention does CP itself
         spec = with_cp_attention(spec)
+    block = spec
+    if transformer_config.layernorm_zero_centered_gamma and not use_te:  # Nemotron: TE's norms compute it themselves
+        block = zero_centered_block_spec(spec, transformer_config, vp_stage)
+    elif transformer_config.sequence_parallel and not use_te:
+        block = block_spec(spec, transformer_config, vp_stage)
     model = call_provider(provider, config=transformer_config, arch=arch, pre_process=pre_process,
                           post_process=post_process, vp_stage=vp_stage) if provider is not None else GPTModel(
         config=transformer_config,
-        transformer_layer_spec=(block_spec(spec, transformer_config, vp_stage)
-                                if transformer_config.sequence_parallel and not use_te else spec),
+        transformer_layer_spec=block,
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
