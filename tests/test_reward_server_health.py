@@ -16,7 +16,8 @@ import reward_server_proc
 
 from relax.core.health_faults import RankFault, listener_pid
 from relax.rollout.rewards import RewardRunner
-from relax.rollout.rewards.server_health import RewardServerLost, RewardServerWatch, health_url, probe, watch_from_args
+from relax.rollout.rewards.server_health import (MAX_HOLDS, RewardServerLost, RewardServerWatch, health_url, probe,
+                                                 watch_from_args)
 
 
 class Script:
@@ -112,6 +113,26 @@ def test_failed_request_is_a_probe(tmp_path):
     finally:
         watch.close()
     assert events(tmp_path) == ["down", "up"]
+
+
+def test_a_request_is_held_through_at_most_max_holds_outages(tmp_path):
+    """A server that fails every request and is down each time (flapping): the request is sent MAX_HOLDS + 1
+    times, then its failure follows --reward-error-policy instead of holding the step for ever."""
+    script, watch = scripted(tmp_path)
+    tries = []
+
+    async def flapping():
+        tries.append(1)
+        script.down()
+        threading.Timer(0.1, script.up).start()
+        raise ConnectionError("connection reset")
+
+    try:
+        with pytest.raises(ConnectionError):
+            asyncio.run(asyncio.wait_for(watch.call(flapping), 10))
+    finally:
+        watch.close()
+    assert len(tries) == MAX_HOLDS + 1
 
 
 def test_server_not_back_within_the_bound(tmp_path):

@@ -117,7 +117,8 @@ class RewardServerWatch:
     def __init__(self, url: str, *, interval_s: float, timeout_s: float, bound_s: float,
                  log_path: Optional[str] = None, probe_fn: Callable[[str, float], tuple[bool, str]] = probe,
                  clock: Callable[[], float] = time.monotonic):
-        self.url, self.interval_s, self.timeout_s, self.bound_s = url, float(interval_s), float(timeout_s), float(bound_s)
+        self.url = url
+        self.interval_s, self.timeout_s, self.bound_s = float(interval_s), float(timeout_s), float(bound_s)
         self.log_path = log_path
         self.probe_fn, self.clock = probe_fn, clock
         self.lock = threading.Lock()
@@ -259,34 +260,37 @@ class RewardServerWatch:
         does not, sent again once it does; `RewardServerLost` past the bound."""
         signal = self._signal()
         self._maybe_fire(step)
-        for holds in range(MAX_HOLDS + 1):
+        holds = 0
+        while True:
             await self._until_up(signal)
             outages = self.outages
             task = asyncio.ensure_future(make())
-            went_down = asyncio.ensure_future(signal.down.wait())
+            if holds < MAX_HOLDS:  # past that, a request in flight waits out its own deadline
+                went_down = asyncio.ensure_future(signal.down.wait())
+                try:
+                    await asyncio.wait({task, went_down}, return_when=asyncio.FIRST_COMPLETED)
+                except BaseException:
+                    task.cancel()
+                    raise
+                finally:
+                    went_down.cancel()
+                if not task.done():  # the server went down under it: sent again once it is back
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                    holds += 1
+                    self._hold()
+                    continue
             try:
-                await asyncio.wait({task, went_down}, return_when=asyncio.FIRST_COMPLETED)
-            except BaseException:
-                task.cancel()
-                raise
-            finally:
-                went_down.cancel()
-            if not task.done():  # the server went down under it: sent again once it is back
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                self._hold()
-                continue
-            exc = task.exception()
-            if exc is None:
-                return task.result()
-            if holds == MAX_HOLDS or isinstance(exc, RewardServerLost):
-                raise exc
-            # the failed request is a probe: ask the server at once (a dead one is found by its first failure)
-            answers = await asyncio.get_running_loop().run_in_executor(None, self.check)
-            if answers and self.outages == outages:
-                raise exc  # the server answers and was never down meanwhile: the request failed on its own
+                return await task
+            except Exception as exc:
+                if holds >= MAX_HOLDS or isinstance(exc, RewardServerLost):
+                    raise
+                # the failed request is a probe: ask the server at once (a dead one is found by its first failure)
+                answers = await asyncio.get_running_loop().run_in_executor(None, self.check)
+                if answers and self.outages == outages:
+                    raise  # the server answers and was never down meanwhile: the request failed on its own
+            holds += 1
             self._hold()
-        raise AssertionError("unreachable")
 
     # ------------------------------------------------------------------ test-only fault injection
     def _maybe_fire(self, step: Optional[int]) -> None:
