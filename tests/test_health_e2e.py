@@ -1,8 +1,8 @@
 """--use-health-check through the controller (the shared Ray, 2 Megatron ranks on CPU, an embedded engine), with
 real faults injected by RELAX_TEST_TRAINER_FAULT (relax.core.health_faults):
 
-* a trainer rank SIGKILLed during step 1's update: the run restarts every role from the step-1 checkpoint and
-  finishes; a `restarted` notification goes out; metrics.jsonl holds each step once, and the sample ids trained at each step of the surviving
+* a trainer rank SIGKILLed during step 1's update: the run restarts the Megatron roles alone from the step-1
+  checkpoint (the rollout manager, its engine and the data plane stay) and finishes; a `restarted` notification goes out; metrics.jsonl holds each step once, and the sample ids trained at each step of the surviving
   history (--save-debug-train-data) are each step's own, each exactly once;
 * a trainer rank SIGSTOPped (hung) at step 0 with --max-global-restart 0: found by its missing heartbeats within
   --heartbeat-timeout, and the run exits with code 1 and one line naming the rank, the step, the hang and how
@@ -76,6 +76,11 @@ def test_killed_rank_restarts_from_checkpoint(tmp_path, monkeypatch, caplog):
     restarts = [json.loads(x) for x in (out / "restarts.jsonl").read_text().splitlines()]
     assert len(restarts) == 1
     assert restarts[0]["who"] == "trainer rank 1" and restarts[0]["resume_step"] == 1
+    # the smallest scope: the Megatron roles alone; the rollout manager, its engine and the data plane stayed up
+    assert restarts[0]["scope"] == "megatron roles"
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum(m.startswith("rollout: 1 engine(s) behind") for m in messages) == 1, messages
+    assert sum(m.startswith("trainer: 2 rank(s)") for m in messages) == 2
     assert "step 1" in restarts[0]["failed"]
     # Sample ids in and out of training: the checkpoint restored the rollout position, so the redone step 1
     # trains the ids step 1 was given before the kill; over the surviving history each id is trained once.
@@ -121,6 +126,7 @@ def test_hung_rollout_manager_restarts_the_run(tmp_path, monkeypatch, caplog):
     assert "no checkpoint under --save or --load: restarting from step 0" in caplog.text
     restarts = [json.loads(x) for x in (out / "restarts.jsonl").read_text().splitlines()]
     assert len(restarts) == 1 and restarts[0]["who"] == "rollout" and restarts[0]["resume_step"] == 0
+    assert restarts[0]["scope"] == "every role"  # not a Megatron role: the next rung
     failed = restarts[0]["failed"]
     assert failed.startswith("rollout (") and "step 0, generate: WorkerSilent: no heartbeat" in failed
     assert "--heartbeat-timeout 4" in failed and "stopped (hung)" in failed

@@ -33,7 +33,7 @@ from relax.core.deadlines import FLAGS, Call, Deadlines, RoleFailure
 from relax.backends.megatron.checkpoint_layout import iter_dir
 from relax.core.checkpointing import resume_from, save_checkpoint, wait_for_pending_save
 from relax.core.colocate import ColocateProtocol
-from relax.core.health import BOARD_META, HealthManager
+from relax.core.health import BOARD_META, MEGATRON_ROLES, HealthManager
 from relax.core.health_restart import ATTEMPT_META, attempt_config
 from relax.core.ray_cluster import start_ray
 from relax.core.run_control import RunControl
@@ -81,6 +81,7 @@ class Controller:
         self.reporter = MetricsReporter.from_config(config)
         self.engine_urls: list[str] = []
         self.start_step = 0
+        self.current_step: int | None = None  # the synchronous loop's step under way
         self.aux = None
         self.stages = None
         self.colocate = None
@@ -99,7 +100,6 @@ class Controller:
     # ------------------------------------------------------------------ start-up
     def start(self) -> None:
         c = self.config
-        actor_world = c.actor_world_size
         # One secret per run guards every engine's control endpoints; roles receive it in their environment.
         engine_key = {ENGINE_API_KEY_ENV: ensure_engine_api_key()}
         if start_ray(c):
@@ -120,16 +120,8 @@ class Controller:
         # Start-up overlaps: every role's actors are created first (each a process that imports torch, Megatron
         # or SGLang for seconds), then TransferQueue starts while they import, and only then does the
         # controller wait for each role in turn. Nothing reads the data plane before its setup call.
-        threads = threads_per_process(actor_world)
-        train_env = {"env_vars": {**flight_recorder_env(c), **worker_env(c.train_env_vars, training_role=True),
-                                  **engine_key}}
-        self.workers = [
-            TrainerWorker.options(num_cpus=1, num_gpus=trainer_gpus(c, use_gpu), runtime_env=train_env,
-                                  scheduling_strategy=PlacementGroupSchedulingStrategy(
-                                      placement_group=pg_actor, placement_group_bundle_index=rank)
-                                  ).remote(c, rank, actor_world, threads)
-            for rank in range(actor_world)
-        ]
+        self._pg_actor, self._use_gpu, self._engine_key = pg_actor, use_gpu, engine_key
+        self.workers = self._create_trainers()
         # The rollout side (manager, engines, router) is independent of the trainer until the first weight push.
         # Colocated roles share devices, so on GPUs there the engines start after the trainer has taken its
         # memory; on CPU there is no device memory to share, and they start beside the trainer as otherwise.
@@ -153,14 +145,7 @@ class Controller:
         if self.health is not None:  # actors without heartbeats of their own: probed instead
             self.health.watch_actors({**self.data.actors(), **({"metrics service": self.metrics_service}
                                                                  if self.metrics_service is not None else {})})
-        master_addr, master_port = wait_all([self.workers[0].master_address.remote()],
-                                            [Call("trainer", "start", rank=0)],  # the actor's creation, too
-                                            deadline_s=self.deadlines.train_s, flag=FLAGS["train"])[0]
-        backend = c.distributed_backend if use_gpu else "gloo"
-        infos = self._trainers("setup", "setup", None, master_addr, master_port, backend)
-        self.worker_where = [info.get("where") for info in infos]
-        logger.info("trainer: %d rank(s), data-parallel %d, %d parameters", actor_world, infos[0]["dp"],
-                    infos[0]["params"])
+        self._setup_trainers()
         self.aux = build_aux_roles(c, use_gpu=use_gpu, data_plane=self.data, launched=launched_aux)
         self.stages = Stages(c, self.aux, trainers=self._trainers, trainer0=self._trainer0, bounded=self._bounded)
         if not c.debug_train_only:  # train-only debugging replays saved rollouts: no engines
@@ -177,6 +162,80 @@ class Controller:
                         deadline_s=self.deadlines.train_s, flag=FLAGS["train"])
         self.colocate = ColocateProtocol(c, self.workers, self.engine_urls, rollout=self.rollout)
         self.started = True
+
+    def _create_trainers(self) -> list[Any]:
+        """The trainer ranks' actors, one per bundle of the actor placement group (created, not yet set up)."""
+        c = self.config
+        actor_world = c.actor_world_size
+        train_env = {"env_vars": {**flight_recorder_env(c), **worker_env(c.train_env_vars, training_role=True),
+                                  **self._engine_key}}
+        return [
+            TrainerWorker.options(num_cpus=1, num_gpus=trainer_gpus(c, self._use_gpu), runtime_env=train_env,
+                                  scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                      placement_group=self._pg_actor, placement_group_bundle_index=rank)
+                                  ).remote(c, rank, actor_world, threads_per_process(actor_world))
+            for rank in range(actor_world)
+        ]
+
+    def _setup_trainers(self) -> None:
+        """Wait for the trainer ranks' processes and build their models (one torch.distributed group)."""
+        c = self.config
+        master_addr, master_port = wait_all([self.workers[0].master_address.remote()],
+                                            [Call("trainer", "start", rank=0)],  # the actor's creation, too
+                                            deadline_s=self.deadlines.train_s, flag=FLAGS["train"])[0]
+        backend = c.distributed_backend if self._use_gpu else "gloo"
+        infos = self._trainers("setup", "setup", None, master_addr, master_port, backend)
+        self.worker_where = [info.get("where") for info in infos]
+        logger.info("trainer: %d rank(s), data-parallel %d, %d parameters", c.actor_world_size, infos[0]["dp"],
+                    infos[0]["params"])
+
+    def restart_megatron_roles(self, config: Config, load: str, failed_step: int | None) -> None:
+        """--use-health-check, after a trainer, reference, teacher or critic rank failed in a synchronous run:
+        replace those roles alone and resume them from `load`'s newest checkpoint, keeping Ray, the rollout
+        manager with its engines and router, and the data plane (relax.core.health_restart chooses this before a
+        restart of everything). `config`: the next attempt's (resuming from `load`, same heartbeat board).
+
+        The checkpoint restores the trainer, the saved auxiliary roles and the rollout position, and its weights
+        go to the engines (relax.core.checkpointing.resume_from); the partitions of the steps being redone are
+        cleared, so every sample id reaches training once."""
+        set_watch(None)  # the failed ranks' old heartbeats must not end the restart's own waits
+        if self.health is not None:
+            self.health.kill_silent_ranks()  # a SIGSTOPped rank cannot act on Ray's kill
+        aux_actors, aux_groups = self._aux_handles()
+        for actor in self.workers + aux_actors:
+            try:
+                ray.kill(actor)
+            except Exception:
+                pass
+        for pg in aux_groups:
+            try:
+                remove_placement_group(pg)
+            except Exception:
+                pass
+        if self.health is not None:
+            self.health.forget(MEGATRON_ROLES)
+            set_watch(self.health.watch)
+        self.config, self.attempt = config, config.meta.get(ATTEMPT_META, self.attempt + 1)
+        self.run_control = RunControl(config, self.attempt)
+        if failed_step is not None:  # the partitions of the steps done again (the failed one, still stored)
+            for step in range(failed_step + 1):
+                self._data_call("clear a step to redo", step, self.data.clear)
+        self.workers = self._create_trainers()
+        launched_aux = launch_aux_groups(config, use_gpu=self._use_gpu)
+        self.aux = AuxRoles(config, launched_aux.get("reference"), critic=launched_aux.get("critic"),
+                            teacher=launched_aux.get("teacher"))
+        self._setup_trainers()
+        self.aux = build_aux_roles(config, use_gpu=self._use_gpu, data_plane=self.data, launched=launched_aux)
+        self.stages = Stages(config, self.aux, trainers=self._trainers, trainer0=self._trainer0,
+                             bounded=self._bounded)
+        if self.metrics is not None:  # metrics.jsonl was rewritten without the steps done again: append to it
+            self.metrics.close()
+        self.metrics = MetricsWriter.from_config(config)
+        run_bounded(lambda: self._resume(load), Call("checkpoint", f"resume from {load}"),
+                    deadline_s=self.deadlines.train_s, flag=FLAGS["train"])
+        # the pool's record of the engines' weights: the checkpoint's, as pushed
+        self._rollout_call("weights_pushed", "weight version", None, self.start_step, self.engine_urls)
+        self.colocate = ColocateProtocol(config, self.workers, self.engine_urls, rollout=self.rollout)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -195,6 +254,7 @@ class Controller:
             before = self._rollout_call("evaluate", "evaluation", self.start_step, self.start_step)
             self.metrics.log(self.start_step, {**before, "eval/before_train": 1.0})
         for step in range(self.start_step, c.num_rollout):
+            self.current_step = step  # a restart of the Megatron roles clears the partitions up to it
             t0 = time.perf_counter()
             step_start = time.time()  # the timeline's step span (wall clock, like every role's spans)
             with timeline.span("rollout", step=step, cat="rollout"):

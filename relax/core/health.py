@@ -51,6 +51,10 @@ class WorkerSilent(RuntimeError):
     """The cause of a `RoleFailure` for a rank whose heartbeats stopped."""
 
 
+# The Megatron roles, whose ranks a restart can replace alone (relax.core.health_restart)
+MEGATRON_ROLES = frozenset({"trainer", "reference", "teacher", "critic"})
+
+
 @ray.remote(num_cpus=0)
 class HeartbeatBoard:
     """When each (role, rank) last beat, by this actor's monotonic clock, with its pid and node."""
@@ -60,6 +64,10 @@ class HeartbeatBoard:
 
     def beat(self, role: str, rank: Optional[int], pid: int, node: str) -> None:
         self.seen[(role, rank)] = {"role": role, "rank": rank, "pid": pid, "node": node, "t": time.monotonic()}
+
+    def forget(self, roles: list[str]) -> None:
+        """Drop the entries of `roles` (their ranks were replaced; the new ones beat under the same names)."""
+        self.seen = {key: entry for key, entry in self.seen.items() if entry["role"] not in roles}
 
     def snapshot(self) -> list[dict[str, Any]]:
         now = time.monotonic()
@@ -311,6 +319,12 @@ class HealthManager:
             if entry["role"] == role and entry["rank"] == rank:
                 return entry["pid"], entry["node"]
         return None
+
+    def forget(self, roles: frozenset[str]) -> None:
+        """A restart replaced the ranks of `roles`: their old heartbeats no longer count (the board's and the last
+        poll's); each new rank is watched from its first beat."""
+        ray.get(self.board.forget.remote(sorted(roles)), timeout=max(5.0, self.timeout_s))
+        self.latest = [e for e in self.latest if e["role"] not in roles]
 
     def kill_silent_ranks(self) -> list[int]:
         """SIGKILL this attempt's silent ranks on this node: a SIGSTOPped process cannot act on Ray's request to

@@ -2,10 +2,14 @@
 from its last checkpoint, at most --max-global-restart times; then the run stops with one line naming what
 failed and how often.
 
-Scope: every failure that reaches the controller (a Megatron rank killed, hung past --heartbeat-timeout or
-raising, the rollout manager, the data plane) restarts every role, keeping Ray itself: a global restart. A dead
-or hung rollout engine never gets here with --use-fault-tolerance (the engine pool replaces it in place). A run
-whose first start-up fails is not restarted (a broken configuration or model would fail every time).
+Scope, smallest first: a dead or hung rollout engine never gets here with --use-fault-tolerance (the engine
+pool replaces it in place). A failed Megatron rank (trainer, reference, teacher or critic: killed, hung past
+--heartbeat-timeout or raising) in a synchronous run with a checkpoint to resume from restarts those roles
+alone (`Controller.restart_megatron_roles`): the rollout manager, its engines and router and the data plane
+stay, and get the checkpoint's rollout position and weights. Any other failure (the rollout manager, the data
+plane, a fully-async or colocated run, no checkpoint yet, or a failed restart of the Megatron roles) restarts
+every role, keeping Ray itself: a global restart. Both count against --max-global-restart. A run whose first
+start-up fails is not restarted (a broken configuration or model would fail every time).
 
 Nothing is lost or duplicated: the restarted attempt resumes from the newest checkpoint under --save (else the
 run's --load, else step 0, as the log says), which holds the trainer, the saved auxiliary roles and the rollout
@@ -28,21 +32,31 @@ from typing import Any, Callable, Optional
 from relax.backends.megatron.checkpoint_layout import latest_iteration
 from relax.config.config import Config
 from relax.core.deadlines import Call, RoleFailure
-from relax.core.health import BOARD_META, new_board_name
+from relax.core.health import BOARD_META, MEGATRON_ROLES, new_board_name
 from relax.observability.accounting import PREFIX as ACCOUNTING_PREFIX
+from relax.observability.accounting import RunAccounting
 from relax.observability.notify import Notifier
 
 logger = logging.getLogger("relax")
+trace_log = logging.getLogger("relax.trace")  # tracebacks: the run's log file only
 ATTEMPT_META = "health_attempt"  # config.meta key: which attempt of the run this config starts (0: the first)
 
 
-def attempt_config(config: Config, attempt: int, load: Optional[str]) -> Config:
-    """The config of attempt `attempt`: resuming from `load`, with a heartbeat board of its own."""
+def attempt_config(config: Config, attempt: int, load: Optional[str], board: Optional[str] = None) -> Config:
+    """The config of attempt `attempt`: resuming from `load`, with a heartbeat board of its own (`board`: the
+    one a restart of the Megatron roles alone keeps)."""
     values = config.to_dict()
     if attempt > 0:  # the restarted attempt resumes where the checkpoint stands, not at --start-rollout-id
         values["load"], values["start_rollout_id"] = load, None
-    meta = {**config.meta, BOARD_META: new_board_name(), ATTEMPT_META: attempt}
+    meta = {**config.meta, BOARD_META: board or new_board_name(), ATTEMPT_META: attempt}
     return Config(values, config.explicit, meta, config.derived)
+
+
+def megatron_roles_alone(controller: Any, who: str, load: Optional[str]) -> bool:
+    """Whether a restart of the Megatron roles alone can handle the failure of `who` (see the module docstring)."""
+    c = controller.config
+    return (who.split(" rank ")[0] in MEGATRON_ROLES and load is not None and controller.started
+            and not (c.fully_async or c.colocate or c.debug_rollout_only or c.debug_train_only))
 
 
 def resume_point(config: Any) -> tuple[Optional[str], Optional[int]]:
@@ -159,9 +173,12 @@ class Restarts:
         n = self.ledger.restarts
         # a warning, not an error: the run goes on, and a later failure's notification names its own first error
         logger.warning("health: %s; restart %d of %d (--max-global-restart)", exc, n, self.ledger.max_restarts)
-        controller.shutdown(keep_ray=True)
+        who = self.last_who or failed_who(exc)
         load, iteration = resume_point(self.config)
         step = iteration if iteration is not None else 0
+        alone = megatron_roles_alone(controller, who, load)
+        if not alone:
+            controller.shutdown(keep_ray=True)
         if load is None:
             logger.warning("health: no checkpoint under --save or --load: restarting from step 0 (add --save and "
                            "--save-interval to resume from a checkpoint)")
@@ -171,17 +188,34 @@ class Restarts:
         if discarded:
             logger.info("health: metrics.jsonl keeps steps before %d; %d record(s) of steps %s are done again",
                         step, len(discarded), sorted({r.get("step") for r in discarded}))
+        scope = "megatron roles" if alone else "every role"
         with (self.out / "restarts.jsonl").open("a", encoding="utf-8") as f:
-            f.write(json.dumps({"restart": n, "failed": str(exc), "who": self.last_who or failed_who(exc), "resume_from": load,
+            f.write(json.dumps({"restart": n, "failed": str(exc), "who": who, "scope": scope, "resume_from": load,
                                 "resume_step": step, "discarded_records": discarded, "time": time.time()}) + "\n")
-        detail = f"{self.last_who or failed_who(exc)} failed ({exc}); restart {n} of {self.ledger.max_restarts} from step {step}"
+        detail = f"{who} failed ({exc}); restart {n} of {self.ledger.max_restarts} ({scope}) from step {step}"
         Notifier.from_config(self.config).restarted(detail)
+        self.resumed_step = step
+        if alone:
+            logger.info("health: restarting the Megatron roles alone (the rollout manager, engines and data plane "
+                        "stay) from the checkpoint at step %d", step)
+            try:
+                controller.restart_megatron_roles(attempt_config(self.config, n, load,
+                                                                 board=controller.config.meta.get(BOARD_META)),
+                                                  load, controller.current_step)
+                controller.accounting = RunAccounting()
+                for record in step_records(kept):  # the run's sample accounting: the steps that survive
+                    controller.accounting.add(record)
+                return controller
+            except Exception as failure:  # the next rung: every role
+                logger.warning("health: restarting the Megatron roles alone failed (%s); restarting every role",
+                               failure)
+                trace_log.warning("restart of the Megatron roles", exc_info=True)
+                controller.shutdown(keep_ray=True)
         nxt = make(attempt_config(self.config, n, load), earlier_children=controller._earlier_children)
         nxt.started_ray = controller.started_ray  # the first attempt's Ray: the last attempt's shutdown stops it
         nxt.fault = controller.fault
         for record in step_records(kept):  # the run's sample accounting: the steps that survive
             nxt.accounting.add(record)
-        self.resumed_step = step
         return nxt
 
     def started(self, controller: Any) -> None:

@@ -130,7 +130,8 @@ def run_controller(config: Config) -> int:
         restarts = Restarts(config) if config.use_health_check else None
         while True:
             try:
-                controller.start()
+                if not controller.started:  # a restart of the Megatron roles alone keeps the rest started
+                    controller.start()
                 if restarts is not None:
                     restarts.started(controller)
                 controller.run()
