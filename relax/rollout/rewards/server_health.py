@@ -124,7 +124,7 @@ class RewardServerWatch:
         self.lock = threading.Lock()
         self.probe_lock = threading.Lock()  # one probe at a time; callers meanwhile take its answer
         self.last_ok = clock()
-        self.probed_at = 0.0
+        self.probe_started = -1.0
         self.outage: Optional[Outage] = None  # the current one; None while the server answers
         self.outages = 0
         self.events: list[dict[str, Any]] = []
@@ -144,7 +144,6 @@ class RewardServerWatch:
         """Record one probe's answer: the transitions log their line and wake the waiting requests."""
         now = self.clock()
         with self.lock:
-            self.probed_at = now
             if ok:
                 self.last_ok = now
                 outage, self.outage = self.outage, None
@@ -172,7 +171,8 @@ class RewardServerWatch:
         """Probe now (or take the answer of a probe that ran meanwhile); True when the server answers."""
         asked = self.clock()
         with self.probe_lock:
-            if self.probed_at < asked:
+            if self.probe_started < asked:  # only a probe sent after the question answers it
+                self.probe_started = self.clock()
                 self.observe(*self.probe_fn(self.url, self.timeout_s))
             return self.up
 
