@@ -25,10 +25,6 @@ from relax.backends.megatron.testing import (
 
 torch.set_num_threads(1)
 
-SHARED = ("mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight",
-          "mlp.shared_experts.gate_weight")
-
-
 @pytest.fixture(scope="module")
 def qwen2_moe(tmp_path_factory):
     """A tiny random Qwen2-MoE (every tensor random: router, experts, shared expert and its gate, norms, biases)."""
