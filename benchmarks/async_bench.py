@@ -13,7 +13,8 @@ the given model and data with --extra flags):
   async S=2     the same with --fully-async --max-staleness 2
   async S=1 K   with --chunks K: async S=1 with --num-iters-per-train-update K (each step streamed in K chunks)
   plain loop    benchmarks/plain_loop_bench.py's single-process loop (transformers generate + the same update,
-                no Ray); embedded default only, since it reads the run's settings from the preset
+                no Ray), from the same settings (the preset's, or --model/--data and --extra, its reward from
+                --custom-rm-path when given)
 
 For each: samples/s and s/step in the steady state (from the moment step `--warmup - 1` is logged to the last
 step's record, timed by polling metrics.jsonl), the fraction of that wall time in which a rollout and a training
@@ -178,7 +179,7 @@ def main() -> int:
                 print(f"uptime: {os.popen('uptime').read().strip()}")
                 results[name] = run_mode(name, [*extra, *flags], args.steps, args.warmup,
                                          root / name.replace(" ", "_").replace("=", ""))
-        if not args.skip_loop and not args.model:
+        if not args.skip_loop:
             print(f"uptime: {os.popen('uptime').read().strip()}")
             results["plain loop"] = run_plain_loop(args.steps, args.warmup, extra, root)
     print(f"uptime: {os.popen('uptime').read().strip()}\n")
