@@ -126,3 +126,12 @@ def test_the_shared_expert_flags_are_no_longer_refused():
     refused = {dest for groups in (megatron, relax) for dests in groups.values() for dest in dests}
     assert not refused & set(SHARED_EXPERT_FLAGS)
     assert "moe_shared_expert_overlap" in refused  # overlapping it with the dispatch is still not built
+
+
+def test_without_a_readable_hf_config_only_contradicting_moe_flags_are_refused(prompt_file, tmp_path):
+    # a launch script's --dry-run on another machine: the model path does not exist here, so the flags may be part
+    # of the model's description (the HF config gives the rest), but a shared expert in Qwen3-MoE is no model
+    run = _run(tmp_path / "absent", prompt_file, tmp_path, "--num-experts", "4", "--moe-router-topk", "2")
+    assert parse_config(run).num_experts == 4
+    with pytest.raises(ConfigError, match="--moe-shared-expert-intermediate-size 48 with --qk-layernorm: Qwen3-MoE"):
+        parse_config(run + ["--qk-layernorm", "--moe-shared-expert-intermediate-size", "48"])

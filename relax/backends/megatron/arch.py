@@ -452,10 +452,12 @@ def _hf_moe(hf_config: Any, model_type: str) -> dict[str, Any]:
     return moe
 
 
-def moe_flag_problems(get) -> list[str]:
+def moe_flag_problems(get, complete: bool = True) -> list[str]:
     """The MoE families' flags: an MoE model with --qk-layernorm is Qwen3-MoE (no shared expert), one without is
     Qwen2-MoE, whose HF modelling code (Qwen2MoeSparseMoeBlock) always has a shared expert with a sigmoid gate.
-    `get`: a flag dest's value (`flags.get`). Each problem names its flags."""
+    `get`: a flag dest's value (`flags.get`); `complete`: the flags are the whole model (`ModelArch.from_flags`), so
+    a Qwen2-MoE model missing its shared expert is a problem too (with an HF config the flags may be a part of it).
+    Each problem names its flags."""
     experts = get("num_experts")
     shared, gate = get("moe_shared_expert_intermediate_size"), get("moe_shared_expert_gate")
     given = " ".join(ARCH_FLAGS[d][0] + ("" if d == "moe_shared_expert_gate" else f" {get(d)}")
@@ -465,7 +467,7 @@ def moe_flag_problems(get) -> list[str]:
     if get("qk_layernorm"):
         return [f"{given} with --qk-layernorm: Qwen3-MoE models (the MoE family with --qk-layernorm) have no shared "
                 "expert"] if given else []
-    if not (shared and gate):
+    if complete and not (shared and gate):
         missing = " ".join(ARCH_FLAGS[d][0] for d in ("moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
                            if not get(d))
         return [f"--num-experts without --qk-layernorm is a Qwen2-MoE model, which has a gated shared expert: "
