@@ -164,7 +164,8 @@ class RewardServerWatch:
                                "it, at most --reward-timeout %g s, and are sent again once it answers",
                                self.url, silent, why, self.bound_s)
                 self._event("down", silent_s=round(silent, 3), why=why)
-        self._wake.set()
+        if not ok:
+            self._wake.set()
         self._notify(ok)
 
     def check(self) -> bool:
