@@ -37,7 +37,7 @@ TRANSFORMER_MOE: frozenset[str] = frozenset({
 # TransformerConfig fields of CUDA / Transformer Engine features (GPU-only).
 TRANSFORMER_GPU: frozenset[str] = frozenset({
     "fp8", "fp8_recipe", "fp8_margin", "fp8_interval", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_wgrad",
-    "fp4", "fp4_recipe", "fp4_param", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
+    "fp4", "fp4_recipe", "fp4_param", "fp8_quantizer_factory", "fp4_quantizer_factory", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
     "num_layers_at_end_in_bf16", "use_te_activation_func", "batch_invariant_mode", "symmetric_ar_type",
     "cpu_offloading_num_layers", "fine_grained_activation_offloading", "offload_modules", "min_offloaded_tensor_size",
     "cp_comm_type", "moe_router_padding_for_fp8", "moe_router_padding_for_quantization", "use_kitchen_attention",

@@ -51,6 +51,9 @@ GPU_ONLY_OPTION_REASONS: dict[str, str] = {
     "num_layers_at_end_in_bf16": _FP8 + " or fp4", "moe_router_padding_for_fp8": _FP8,
     "moe_router_padding_for_quantization": _FP8 + " or fp4", "reuse_grad_buf_for_mxfp8_param_ag": _FP8 + " (MXFP8)",
     "fp4": "fp4 training with " + _TE + " (Blackwell GPUs)", "fp4_recipe": _FP4, "fp4_param": _FP4,
+    # Python import paths of quantizer factories, loaded by megatron-core itself for a custom recipe
+    "fp8_quantizer_factory": _FP8 + " (the quantizers of --fp8-recipe custom)",
+    "fp4_quantizer_factory": _FP4 + " (the quantizers of a custom fp4 recipe)",
     "use_te_activation_func": "runs the MLP's activation as Transformer Engine's fused kernel (CUDA)",
     "batch_invariant_mode": "swaps in batch-invariant CUDA (Triton) kernels for matmuls and reductions",
     "symmetric_ar_type": "all-reduces through NCCL / CUDA symmetric memory (multimem) on GPUs",

@@ -272,8 +272,9 @@ NOT_BUILT: dict[str, tuple[str, frozenset[str]]] = {
             "fake_process_group",
         })),
     "quantization recipes from files or factories": (
-        "fp8/fp4 quantizers from a Python factory or a Transformer Engine YAML recipe, which Megatron-LM's "
-        "training script loads; the trainer does not load them yet (the fp8/fp4 flags themselves are GPU-only)",
+        "a Transformer Engine YAML precision recipe (--te-precision-config-file), which Megatron-LM's training "
+        "script loads; the trainer does not load it yet (the fp8/fp4 flags and the quantizer factories, which "
+        "megatron-core loads itself, are GPU-only)",
         frozenset({
             "fp8", "fp8_recipe", "fp8_quantizer_factory", "fp8_margin", "fp8_interval", "fp8_amax_history_len",
             "fp8_amax_compute_algo", "fp8_wgrad", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
