@@ -350,7 +350,9 @@ class ModelArch:
         counts only with --group-query-attention, --max-position-embeddings defaults to --seq-length.
 
         Only models that Relax can also export to Hugging Face (and so to the rollout engines) are built:
-        Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE and GLM4 shapes. An MoE model with --qk-layernorm is Qwen3-MoE;
+        Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, GLM4 and Nemotron shapes (Nemotron: --squared-relu with
+        --apply-layernorm-1p and --normalization LayerNorm, in place of --swiglu and RMSNorm). An MoE model with
+        --qk-layernorm is Qwen3-MoE;
         one without is Qwen2-MoE, which needs --moe-shared-expert-intermediate-size and --moe-shared-expert-gate.
         A GLM4 model is the one with --post-self-attn-layernorm
         and --post-mlp-layernorm; it also needs --rotary-interleaved (its HF modelling code rotates pairs), and
