@@ -227,7 +227,7 @@ def test_hung_server_resumed_every_sample_scored_once(server, tmp_path):
     proc, url, hits = server
     watch = RewardServerWatch(url, interval_s=0.1, timeout_s=1.0, bound_s=10.0,
                               log_path=str(tmp_path / "reward_server.jsonl")).start()
-    watch.fault = RankFault.parse("hang:role=reward:step=1:resume=2.5")
+    watch.faults = [RankFault.parse("hang:role=reward:step=1:resume=2.5")]
     samples = [Sample(f"answer {i % 3}", "1", rollout_step=1) for i in range(12)]
     t0 = time.monotonic()
     with _runner(url, watch) as runner:
@@ -252,7 +252,7 @@ def test_hung_server_resumed_every_sample_scored_once(server, tmp_path):
 def test_killed_server_fails_the_step_whatever_the_policy(server, tmp_path):
     proc, url, _ = server
     watch = RewardServerWatch(url, interval_s=0.1, timeout_s=1.0, bound_s=1.0).start()
-    watch.fault = RankFault.parse("kill:role=reward:step=0")
+    watch.faults = [RankFault.parse("kill:role=reward:step=0")]
     samples = [Sample("x", "1") for _ in range(4)]
     t0 = time.monotonic()
     with _runner(url, watch) as runner:

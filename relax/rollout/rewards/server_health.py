@@ -128,7 +128,8 @@ class RewardServerWatch:
         self.outage: Optional[Outage] = None  # the current one; None while the server answers
         self.outages = 0
         self.events: list[dict[str, Any]] = []
-        self.fault: Optional[RankFault] = None  # test-only (relax.core.health_faults, role=reward)
+        # test-only (relax.core.health_faults, role=reward): several may be armed, each fires at its step once
+        self.faults: list[RankFault] = []
         self.attempt = 0
         self._loops: "weakref.WeakKeyDictionary[Any, _LoopSignal]" = weakref.WeakKeyDictionary()
         self._stop = threading.Event()
@@ -295,11 +296,13 @@ class RewardServerWatch:
 
     # ------------------------------------------------------------------ test-only fault injection
     def _maybe_fire(self, step: Optional[int]) -> None:
-        fault = self.fault
-        if fault is None or step is None or self.attempt >= fault.times:
+        if step is None:
             return
-        if not fault.matches("reward", "reward", step, self.attempt):
-            return
+        for fault in self.faults:
+            if self.attempt < fault.times and fault.matches("reward", "reward", step, self.attempt):
+                self._fire(fault, step)
+
+    def _fire(self, fault: RankFault, step: int) -> None:
         pid = fault.pid or listener_pid(self.url)
         if pid is None:
             fault.fired.append({"attempt": self.attempt, "pid": None, "t": None})
@@ -309,7 +312,8 @@ class RewardServerWatch:
         self._event("fault_injected", fault=fault.kind, step=step, pid=pid, resume_s=fault.resume_s)
 
 
-_WATCHES: dict[str, RewardServerWatch] = {}  # one per reward server and process (the step's and evaluation's runners)
+# one watch per reward server and process: the step's and the evaluation's reward runners share it
+_WATCHES: dict[str, RewardServerWatch] = {}
 _WATCHES_LOCK = threading.Lock()
 
 
@@ -337,6 +341,6 @@ def _new_watch(args: Any, url: str) -> RewardServerWatch:
                               bound_s=float(args.reward_timeout or "inf"), log_path=log_path)
     fault = fault_from_env()
     if fault is not None and fault.role == "reward":
-        watch.fault = fault
+        watch.faults.append(fault)
     watch.attempt = int((getattr(args, "meta", None) or {}).get(ATTEMPT_META, 0))
     return watch.start()
