@@ -22,7 +22,7 @@ thread.
 The reward server (--rm-url, a process the user runs): `KIND:role=reward:step=N[:pid=P][:resume=S][:delay=S][:times=K]`,
 e.g. `hang:role=reward:step=1:resume=4`, is fired by the rollout manager (which reads the same variable: it
 reaches the manager when Relax starts Ray itself, as `relax-train` does; a test on a running Ray arms it with
-`RewardServerWatch.fault`) as its first reward request of step N goes out, before it is sent: P is the server's
+`RewardServerWatch.faults`) as its first reward request of step N goes out, before it is sent: P is the server's
 pid (default: the local process listening on --rm-url's port), S after `resume=` the seconds after which a hang
 is ended (SIGCONT; default 0: never), K counts the run's attempts as above
 (`relax.rollout.rewards.server_health`).
