@@ -14,7 +14,7 @@ import pytest
 
 import reward_server_proc
 
-from relax.core.health_faults import RankFault, listener_pid
+from relax.core.health_faults import ENV, RankFault, listener_pid
 from relax.rollout.rewards import RewardRunner
 from relax.rollout.rewards.server_health import (MAX_HOLDS, RewardServerLost, RewardServerWatch, health_url, probe,
                                                  watch_from_args)
@@ -178,6 +178,23 @@ def test_watch_only_for_remote_rm_with_fault_tolerance(tmp_path):
     try:
         assert watch is not None and watch.bound_s == 60.0 and watch.timeout_s == 1.0
         assert watch_from_args(Args(rm_url="http://127.0.0.1:9/x", rm_type="boxed_remote_rm")) is watch  # per process
+    finally:
+        watch.close()
+
+
+def test_env_fault_is_armed_on_the_watch(tmp_path, monkeypatch):
+    """relax-train's rollout manager reads RELAX_TEST_TRAINER_FAULT (role=reward) and the run's attempt."""
+    monkeypatch.setenv(ENV, "hang:role=reward:step=2:resume=3:times=2")
+
+    class Args:
+        rm_url, rm_type, use_fault_tolerance, reward_timeout = "http://127.0.0.1:9/env", "remote_rm", True, 30.0
+        rollout_health_check_interval, rollout_health_check_timeout = 30.0, 1.0
+        output_dir, meta = str(tmp_path), {"health_attempt": 1}
+
+    watch = watch_from_args(Args())
+    try:
+        assert [(f.kind, f.step, f.resume_s, f.times) for f in watch.faults] == [("hang", 2, 3.0, 2)]
+        assert watch.attempt == 1
     finally:
         watch.close()
 
