@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import socket
+import ssl
 import threading
 import time
 import weakref
@@ -74,6 +75,8 @@ def probe(url: str, timeout_s: float) -> tuple[bool, str]:
         return False, "dead: connection refused"
     except (ConnectionResetError, http.client.RemoteDisconnected):
         return False, "dead: connection reset"
+    except ssl.SSLCertVerificationError:
+        return True, ""  # the server's process answered the handshake: alive (its certificate is the requests' matter)
     except (socket.timeout, TimeoutError):
         return False, f"hung: it takes connections but sends no reply within {timeout_s:g} s"
     except (OSError, http.client.HTTPException) as exc:
