@@ -49,7 +49,6 @@ def _config(*flags: str, tmp="/tmp/relax-recompute-test"):
       "--recompute-modules", "mlp"], ["--recompute-modules", "selective"]),
     (["--recompute-granularity", "selective", "--recompute-modules", "moe_act"], ["moe_act", "--moe-grouped-gemm"]),
     (["--recompute-granularity", "selective", "--recompute-modules", "attn"], ["attn", "core_attn"]),
-    (["--recompute-granularity", "selective", "--recompute-modules", "shared_experts"], ["shared expert"]),
     # megatron-core 0.16's norm recompute calls Transformer Engine (absent on CPU)
     (["--recompute-granularity", "selective", "--recompute-modules", "layernorm"], ["layernorm", "Transformer Engine"]),
     (["--use-routing-replay", "--recompute-granularity", "selective", "--pipeline-model-parallel-size", "2",
@@ -158,6 +157,30 @@ def test_moe_layers_recompute_to_the_same_result(tmp_path):
     assert metrics["loss"] == pytest.approx(base_metrics["loss"], rel=1e-5, abs=1e-6)
     for n in grads:
         torch.testing.assert_close(grads[n], base_grads[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_shared_expert_recompute_gives_the_same_result(tmp_path, model_dir):
+    """Selective recompute of a Qwen2-MoE model's gated shared expert (Megatron's "shared_experts" module): the same
+    loss and gradients; a model without a shared expert is refused (Megatron would recompute nothing)."""
+    from relax.models.tiny import TinyArch, build_tiny_model_dir
+
+    path = build_tiny_model_dir(tmp_path / "qwen2_moe", TinyArch(family="qwen2_moe"), seed=3)
+    _, base_metrics, base_grads, _, _ = _step(path)
+    trainer, metrics, grads, _, _ = _step(path, recompute_granularity="selective",
+                                          recompute_modules=("shared_experts",))
+    assert trainer.config.recompute_modules == ["shared_experts"]
+    assert metrics["loss"] == pytest.approx(base_metrics["loss"], rel=1e-5, abs=1e-6)
+    assert any(".shared_experts." in n for n in grads)
+    for n in grads:
+        torch.testing.assert_close(grads[n], base_grads[n], rtol=1e-5, atol=1e-6, msg=n)
+    # the shared expert runs again in backward: twice per layer and micro-batch (2 layers x 2 micro-batches)
+    runs = [0]
+    for layer in trainer.gpt_model.decoder.layers:
+        layer.mlp.shared_experts.register_forward_pre_hook(lambda *_: runs.__setitem__(0, runs[0] + 1))
+    trainer.train_step(toy_samples(4, seed=3), toy_pg_loss)
+    assert runs[0] == 2 * 2 * 2, runs
+    with pytest.raises(ValueError, match="shared expert"):
+        _step(model_dir, recompute_granularity="selective", recompute_modules=("shared_experts",))
 
 
 def test_moe_recompute_of_a_dense_model_is_refused(model_dir):

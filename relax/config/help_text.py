@@ -102,8 +102,9 @@ MEGATRON_HELP: dict[str, str] = {
                         "chunks of --recompute-num-layers and recomputes every chunk; block recomputes the first "
                         "--recompute-num-layers layers of each stage only.",
     "recompute_modules": "Submodules selective recompute recomputes: core_attn (Megatron's default), mlp, moe (MoE "
-                         "models), layernorm (needs Transformer Engine on a GPU); mla_up_proj, moe_act and "
-                         "shared_experts need features the trainer's models lack.",
+                         "models), shared_experts (MoE models with a shared expert, Qwen2-MoE), layernorm (needs "
+                         "Transformer Engine on a GPU); mla_up_proj and moe_act need features the trainer's "
+                         "models lack.",
     "recompute_num_layers": "Layers per recompute chunk (--recompute-method uniform) or layers recomputed per "
                             "pipeline stage (block); full recompute only.",
     "adam_beta1": "Adam's first-moment decay rate (beta1) of the trainer's optimizer.",

@@ -279,6 +279,9 @@ OPTION_HELP: dict[str, str] = {
         "If set, keep the parameters in fp4 precision to save memory. This option must be used together with "
         "fp4 mode (i.e., TransformerConfig.fp4 is not None). Note that not all parameters will be converted "
         "to fp4; for example, biases will remain unchanged."),
+    "fp4_quantizer_factory": (
+        "Python import path to a callable quantizer factory, e.g., package.module.quantizer_factory. Required "
+        "when fp4_recipe is custom."),
     "fp4_recipe": (
         "If set, enables the use of FP4 precision through Transformer Engine. Currently only 'nvfp4' is "
         "supported which uses NVFP4BlockScaling recipe for Blackwell+ architecture."),
@@ -298,6 +301,9 @@ OPTION_HELP: dict[str, str] = {
     "fp8_param_gather": (
         "Keep the compute param in fp8 (do not use any other intermediate dtype) and perform the param all- "
         "gather in fp8."),
+    "fp8_quantizer_factory": (
+        "Python import path to a callable quantizer factory, e.g., package.module.quantizer_factory. Required "
+        "when fp8_recipe is custom."),
     "fp8_recipe": (
         "If set, enables the use of FP8 precision through Transformer Engine. There are 5 predefined choices "
         "(1) 'tensorwise' uses per tensor current scaling recipe, (2) 'delayed' uses delayed scaling recipe, "

@@ -16,13 +16,12 @@ from relax.config.errors import ConfigError
 logger = logging.getLogger("relax")
 
 # Selective recompute modules the models Relax builds have (relax.backends.megatron.arch): no multi-latent
-# attention (mla_up_proj), no grouped-GEMM experts (moe_act needs --moe-grouped-gemm) and no shared expert.
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe")
+# attention (mla_up_proj) and no grouped-GEMM experts (moe_act needs --moe-grouped-gemm); shared_experts only in
+# models with a shared expert (Qwen2-MoE), which the trainer checks once it has read the model.
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "shared_experts")
 NOT_BUILT_MODULES = {
     "mla_up_proj": "needs multi-latent attention, which no supported model family has",
     "moe_act": "needs --moe-grouped-gemm, which the trainer does not use (its experts are separate linear layers)",
-    "shared_experts": "needs a shared expert (--moe-shared-expert-intermediate-size), which no supported model "
-                      "family has",
 }
 # Attention backends that are Transformer Engine's GPU kernels (flash attention, cuDNN fused attention).
 TE_ATTENTION_BACKENDS = ("flash", "fused")

@@ -191,23 +191,23 @@ NOT_BUILT: dict[str, tuple[str, frozenset[str]]] = {
         "--recompute-activations or --recompute-granularity)",
         frozenset({"batch_size", "warmup", "model_parallel_size", "checkpoint_activations"})),
     "architecture features no supported model family has": (
-        "Relax builds Llama, Qwen2, Qwen3, Qwen3-MoE and GLM4 shapes (relax.backends.megatron.arch); the HF export and "
-        "the rollout engines need one of them",
+        "Relax builds Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, GLM4 and Nemotron shapes "
+        "(relax.backends.megatron.arch); the HF export and the rollout engines need one of them",
         frozenset({
             "softmax_type", "apply_residual_connection_post_layernorm",
-            "layernorm_zero_centered_gamma", "glu_linear_offset", "activation_func_clamp_value",
+            "glu_linear_offset", "activation_func_clamp_value",
             "qk_l2_norm", "attention_output_gate", "multi_latent_attention", "experimental_attention_variant",
             "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk", "dsa_indexer_loss_coeff",
             "dsa_indexer_use_sparse_loss", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
             "linear_num_key_heads", "linear_num_value_heads", "apply_query_key_layer_scaling",
-            "use_fused_weighted_squared_relu", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+            "use_fused_weighted_squared_relu",
             "moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",
             "moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
             "moe_apply_probs_on_input", "moe_latent_size", "mrope_section", "is_hybrid_model", "mamba_state_dim",
             "mamba_head_dim", "mamba_num_groups", "mamba_num_heads", "use_mamba_mem_eff_path", "encoder_num_layers",
             "decoder_num_layers", "window_size", "window_attn_skip_freq", "relative_attention_num_buckets",
             "relative_attention_max_distance", "rotary_seq_len_interpolation_factor",
-            "no_rope_freq", "openai_gelu", "squared_relu", "quick_geglu", "rope_type", "q_lora_rank",
+            "no_rope_freq", "openai_gelu", "quick_geglu", "rope_type", "q_lora_rank",
             "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rotary_scaling_factor", "mscale",
             "mscale_all_dim", "spec", "hybrid_layer_pattern", "hybrid_override_pattern",
             "transformer_impl", "use_legacy_models", "mtp_num_layers", "mtp_loss_scaling_factor", "mtp_standalone",

@@ -79,8 +79,8 @@ TRAINING_SUPPORTED_VALUES: dict[str, frozenset] = {
                                       "on_policy_distillation"}),
     "opd_type": frozenset({"megatron", "sglang"}),  # sglang: tests/test_opd_sglang.py
     "loss_type": frozenset({"custom_loss", "sft"}),
-    # the supported model families (relax.backends.megatron.arch): RMSNorm and rotary positions
-    "normalization": frozenset({"RMSNorm"}),
+    # the supported model families (relax.backends.megatron.arch): RMSNorm (LayerNorm in Nemotron) and rotary positions
+    "normalization": frozenset({"RMSNorm", "LayerNorm"}),
     "position_embedding_type": frozenset({"rope"}),
     # micro-batches of varying length: only the all-to-all dispatcher (relax.backends.megatron.arch)
     "moe_token_dispatcher_type": frozenset({"alltoall"}),

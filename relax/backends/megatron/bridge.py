@@ -1,7 +1,7 @@
 """`--megatron-to-hf-mode`: one converter interface for HF <-> Megatron weights, two implementations.
 
-- `raw` (`RawConverter`): Relax's own mapping in `relax.backends.megatron.hf_weights` (Llama / Qwen2 / GLM4 /
-  Qwen3 / Qwen3-MoE, local and Transformer Engine specs, TP/PP aware).
+- `raw` (`RawConverter`): Relax's own mapping in `relax.backends.megatron.hf_weights` (Llama / Qwen2 / GLM4 / Nemotron /
+  Qwen3 / Qwen2-MoE / Qwen3-MoE, local and Transformer Engine specs, TP/PP aware).
 - `bridge` (`BridgeConverter`): NVIDIA Megatron-Bridge's `megatron.bridge.AutoBridge`:
   `AutoBridge.from_hf_pretrained(hf_path)` reads the HF config, `bridge.load_hf_weights(models, hf_path)`
   loads an HF folder into the Megatron model chunks and `bridge.export_hf_weights(models, cpu=True)` yields

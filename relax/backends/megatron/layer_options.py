@@ -31,9 +31,10 @@ def recompute_granularity(settings: Any) -> Optional[str]:
     return "full" if settings.recompute_activations else None
 
 
-def recompute_fields(settings: Any, te: bool, is_moe: bool) -> dict[str, Any]:
+def recompute_fields(settings: Any, te: bool, is_moe: bool, shared_experts: bool = False) -> dict[str, Any]:
     """TransformerConfig recompute fields. Megatron validates them again in `TransformerConfig.__post_init__`;
-    `te`: whether the model uses Transformer Engine's layer spec; `is_moe`: whether it has expert layers."""
+    `te`: whether the model uses Transformer Engine's layer spec; `is_moe`: whether it has expert layers;
+    `shared_experts`: whether its MoE layers have a shared expert (Qwen2-MoE)."""
     granularity = recompute_granularity(settings)
     if granularity is None:
         if settings.recompute_method or settings.recompute_num_layers or settings.recompute_modules:
@@ -56,6 +57,10 @@ def recompute_fields(settings: Any, te: bool, is_moe: bool) -> dict[str, Any]:
         # Megatron would silently recompute nothing: say so instead (the model comes from the HF config, so the
         # command-line check cannot know).
         raise ValueError("recompute module 'moe' needs an MoE model; this one is dense (use mlp)")
+    if settings.recompute_modules and "shared_experts" in settings.recompute_modules and not shared_experts:
+        # megatron-core's SharedExpertMLP is the only reader of the module name: without one it recomputes nothing
+        raise ValueError("recompute module 'shared_experts' needs an MoE model with a shared expert "
+                         "(--moe-shared-expert-intermediate-size, a Qwen2-MoE model); this one has none")
     if settings.recompute_modules:
         out["recompute_modules"] = list(settings.recompute_modules)
     return out
@@ -101,7 +106,7 @@ TRANSFORMER_GPU_FEATURES: dict[str, tuple[bool, bool]] = {
 MOE_GPU_FEATURES = tuple(name for name, (_, moe) in TRANSFORMER_GPU_FEATURES.items() if moe)
 
 
-def layer_fields(settings: Any, te: bool, is_moe: bool = False) -> dict[str, Any]:
+def layer_fields(settings: Any, te: bool, is_moe: bool = False, shared_experts: bool = False) -> dict[str, Any]:
     """Every TransformerConfig field this module owns, for `to_transformer_config(**fields)` (the MoE router's
     dtype only for models with experts)."""
     for name in ("hidden_dropout", "attention_dropout"):
@@ -118,7 +123,7 @@ def layer_fields(settings: Any, te: bool, is_moe: bool = False) -> dict[str, Any
                              "(relax.config.support_gpu says why)")
         extra[name] = True
     return {
-        **recompute_fields(settings, te, is_moe),
+        **recompute_fields(settings, te, is_moe, shared_experts),
         **extra,
         "hidden_dropout": float(settings.hidden_dropout),
         "attention_dropout": float(settings.attention_dropout),

@@ -243,7 +243,7 @@ class MegatronTrainer:
             cp_comm_type=("all_gather" if settings.allgather_cp else "p2p") if settings.cp > 1 else None,
             **{"use_cpu_initialization": compute_device().type == "cpu",  # --use-cpu-initialization adds GPUs
                **transformer_fields(settings.megatron_options, arch.is_moe)},
-            **layer_fields(settings, uses_te(settings), arch.is_moe),
+            **layer_fields(settings, uses_te(settings), arch.is_moe, bool(arch.moe_shared_expert_intermediate_size)),
             **self._routing_replay_overrides(arch, settings),
         )
         gpt = build_gpt_model(arch, self.config, uses_te(settings), **model_builders(settings.megatron_options),
