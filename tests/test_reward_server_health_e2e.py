@@ -7,7 +7,8 @@ both faults:
   named in <output-dir>/reward_server.jsonl, the held requests sent again; steps 0 and 1 train every sample id
   exactly once and no failed reward (0.0, `reward_error`);
 * SIGKILL at step 2, never back: the run ends with exit code 1 and one line naming the server, `dead` and
-  --reward-timeout, within that bound.
+  --reward-timeout, within that bound, and --use-health-check does not restart it (no restart can bring the
+  server back).
 
 `pytest -s` prints the measured detection and recovery times."""
 
@@ -83,6 +84,8 @@ def test_hung_then_killed_reward_server(tmp_path, server, monkeypatch, caplog):
     shared_ray()
     out = tmp_path / "out"
     config = _config(tmp_path, url, 3, "--reward-timeout", str(BOUND),
+                     # a lost reward server ends the run at once: no restart can bring it back
+                     "--use-health-check", "--max-global-restart", "1",
                      "--save-debug-rollout-data", str(out / "rollout" / "{rollout_id}.jsonl"),
                      "--save-debug-train-data", str(out / "train" / "{rollout_id}.pt"))
     monkeypatch.setattr(Controller, "start", _arm("hang:role=reward:step=1:resume=4", "kill:role=reward:step=2"))
@@ -115,6 +118,8 @@ def test_hung_then_killed_reward_server(tmp_path, server, monkeypatch, caplog):
     assert f"step 2, generate: RewardServerLost: reward server {url} does not answer /health for " in line
     assert "(dead: connection" in line and f"(--reward-timeout {BOUND})" in line
     assert proc.wait(5) == -signal.SIGKILL
+    assert not (out / "restarts.jsonl").exists()
+    assert "health: not restarting: the reward server is not a role of this run" in caplog.text
 
     # steps 0 and 1 (the hang): every sample id trained once, every reward the server's
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

@@ -9,7 +9,8 @@ alone (`Controller.restart_megatron_roles`): the rollout manager, its engines an
 stay, and get the checkpoint's rollout position and weights. Any other failure (the rollout manager, the data
 plane, a fully-async or colocated run, no checkpoint yet, or a failed restart of the Megatron roles) restarts
 every role, keeping Ray itself: a global restart. Both count against --max-global-restart. A run whose first
-start-up fails is not restarted (a broken configuration or model would fail every time).
+start-up fails is not restarted (a broken configuration or model would fail every time), nor one whose cause
+is outside the run (`NOT_RESTARTED`: a reward server that stays down).
 
 Nothing is lost or duplicated: the restarted attempt resumes from the newest checkpoint under --save (else the
 run's --load, else step 0, as the log says), which holds the trainer, the saved auxiliary roles and the rollout
@@ -50,6 +51,18 @@ def attempt_config(config: Config, attempt: int, load: Optional[str], board: Opt
         values["load"], values["start_rollout_id"] = load, None
     meta = {**config.meta, BOARD_META: board or new_board_name(), ATTEMPT_META: attempt}
     return Config(values, config.explicit, meta, config.derived)
+
+
+# Failures no restart can help, by the name of the error a role raised: what is lost is outside the run.
+NOT_RESTARTED = {
+    "RewardServerLost": "the reward server is not a role of this run, and a restart cannot bring it back",
+}
+
+
+def restart_cannot_help(exc: BaseException) -> Optional[str]:
+    """Why restarting the run cannot help with `exc` (None when it can)."""
+    text = str(exc)
+    return next((why for name, why in NOT_RESTARTED.items() if name in text), None)
 
 
 def megatron_roles_alone(controller: Any, who: str, load: Optional[str]) -> bool:
@@ -144,6 +157,10 @@ class Restarts:
         failure once --max-global-restart restarts were made."""
         self.failed_at = time.monotonic()
         if controller.attempt == 0 and not controller.started:
+            return False
+        why = restart_cannot_help(exc)
+        if why:  # the run stops at once, with the failure's own line
+            logger.warning("health: not restarting: %s", why)
             return False
         who = None
         if controller.health is not None and isinstance(exc, RoleFailure) and exc.timed_out:
