@@ -64,7 +64,7 @@ def _unbuilt_flags_at_default():
 
 def test_every_unbuilt_flag_at_its_default_is_accepted(tmp_path):
     argv, _ = _unbuilt_flags_at_default()
-    assert "--rotary-percent" in argv and len(argv) > 200
+    assert "--rotary-scaling-factor" in argv and len(argv) > 200
     cfg = parse_config(argv + ["--output-dir", str(tmp_path), "--dry-run"])
     parser, _ = build_parser()
     given = {a.dest for a in actions_by_dest(parser).values() if a.option_strings[0] in argv}
