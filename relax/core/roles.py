@@ -104,7 +104,9 @@ class WorkerGroup:
     def compute(self, step: int, indexes: list[int] | None = None) -> float:
         """The group's stage of step `step` (of its chunk `indexes` when streamed): every rank writes its share's
         rows to the data plane. Returns the slowest rank's seconds."""
-        parts = ray.get([w.compute.remote(step, indexes) for w in self.workers])
+        # a chunk only for the groups that stream (ReferenceWorker); the critic's stage takes whole steps
+        parts = ray.get([w.compute.remote(step) if indexes is None else w.compute.remote(step, indexes)
+                         for w in self.workers])
         return max(p["seconds"] for p in parts)
 
     def save(self, path: str) -> None:
