@@ -217,9 +217,8 @@ class Controller:
             set_watch(self.health.watch)
         self.config, self.attempt = config, config.meta.get(ATTEMPT_META, self.attempt + 1)
         self.run_control = RunControl(config, self.attempt)
-        if failed_step is not None:  # the partitions of the steps done again (the failed one, still stored)
-            for step in range(failed_step + 1):
-                self._data_call("clear a step to redo", step, self.data.clear)
+        if failed_step is not None:  # the one partition still stored: every earlier step's clear was waited for
+            self._data_call("clear the failed step", failed_step, self.data.clear)
         self.workers = self._create_trainers()
         launched_aux = launch_aux_groups(config, use_gpu=self._use_gpu)
         self.aux = AuxRoles(config, launched_aux.get("reference"), critic=launched_aux.get("critic"),
