@@ -196,8 +196,8 @@ class Controller:
         restart of everything). `config`: the next attempt's (resuming from `load`, same heartbeat board).
 
         The checkpoint restores the trainer, the saved auxiliary roles and the rollout position, and its weights
-        go to the engines (relax.core.checkpointing.resume_from); the partitions of the steps being redone are
-        cleared, so every sample id reaches training once."""
+        go to the engines (relax.core.checkpointing.resume_from); the failed step's partition is cleared, so every
+        sample id reaches training once."""
         set_watch(None)  # the failed ranks' old heartbeats must not end the restart's own waits
         if self.health is not None:
             self.health.kill_silent_ranks()  # a SIGSTOPped rank cannot act on Ray's kill
