@@ -13,14 +13,14 @@ local layer spec and in the block's final norm.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+from relax.backends.megatron.sequence_parallel import norm_block_spec
 
 __all__ = ["ZeroCenteredLayerNorm", "zero_centered_block_spec"]
 
@@ -43,21 +43,8 @@ class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, self.weight + 1.0, self.bias, self.eps)
 
 
-def _swap_norms(spec: Any) -> Any:
-    """A copy of `spec` with every `WrappedTorchNorm` slot (at any depth) holding `ZeroCenteredLayerNorm`."""
-    if spec is WrappedTorchNorm:
-        return ZeroCenteredLayerNorm
-    if isinstance(spec, ModuleSpec):
-        return dataclasses.replace(spec, submodules=_swap_norms(spec.submodules))
-    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        changes = {f.name: _swap_norms(getattr(spec, f.name)) for f in dataclasses.fields(spec)}
-        return dataclasses.replace(spec, **changes)
-    return spec
-
-
 def zero_centered_block_spec(layer: ModuleSpec, config: Any, vp_stage: Optional[int] = None
                              ) -> TransformerBlockSubmodules:
     """The transformer block of this pipeline stage for a local `layer` spec with zero-centred LayerNorms (with or
     without sequence parallelism)."""
-    layers = [_swap_norms(layer)] * get_num_layers_to_build(config, vp_stage)
-    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=ZeroCenteredLayerNorm)
+    return norm_block_spec(layer, config, ZeroCenteredLayerNorm, vp_stage)

@@ -38,19 +38,26 @@ class SequenceParallelTorchNorm:
         return norm
 
 
-def _swap_norms(spec: Any) -> Any:
-    """A copy of `spec` with every `WrappedTorchNorm` slot (at any depth) holding `SequenceParallelTorchNorm`."""
+def swap_norms(spec: Any, norm: Any) -> Any:
+    """A copy of `spec` with every `WrappedTorchNorm` slot (at any depth) holding `norm`."""
     if spec is WrappedTorchNorm:
-        return SequenceParallelTorchNorm
+        return norm
     if isinstance(spec, ModuleSpec):
-        return dataclasses.replace(spec, submodules=_swap_norms(spec.submodules))
+        return dataclasses.replace(spec, submodules=swap_norms(spec.submodules, norm))
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        changes = {f.name: _swap_norms(getattr(spec, f.name)) for f in dataclasses.fields(spec)}
+        changes = {f.name: swap_norms(getattr(spec, f.name), norm) for f in dataclasses.fields(spec)}
         return dataclasses.replace(spec, **changes)
     return spec
 
 
+def norm_block_spec(layer: ModuleSpec, config: Any, norm: Any, vp_stage: Optional[int] = None
+                    ) -> TransformerBlockSubmodules:
+    """The transformer block of this pipeline stage for a local `layer` spec with `norm` in every norm slot and as
+    the block's final norm."""
+    layers = [swap_norms(layer, norm)] * get_num_layers_to_build(config, vp_stage)
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm)
+
+
 def block_spec(layer: ModuleSpec, config: Any, vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
     """The transformer block of this pipeline stage for a local `layer` spec under sequence parallelism."""
-    layers = [_swap_norms(layer)] * get_num_layers_to_build(config, vp_stage)
-    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SequenceParallelTorchNorm)
+    return norm_block_spec(layer, config, SequenceParallelTorchNorm, vp_stage)
