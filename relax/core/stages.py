@@ -153,13 +153,15 @@ def run_group(group: tuple[Stage, ...], step: int) -> dict[str, float]:
         return traced(group[0])
     started = [start_bounded(lambda stage=stage: traced(stage), Call("driver", stage.__name__, step=step),
                              deadline_s=None, flag="") for stage in group[:-1]]
-    outcomes: list[tuple[dict[str, float], BaseException | None]] = []
-    for wait in [*(call.wait for call in started), lambda: traced(group[-1])][::-1]:  # the caller's stage first
+
+    def outcome(run: Callable[[], dict[str, float]]) -> tuple[dict[str, float], BaseException | None]:
         try:
-            outcomes.append((wait(), None))
+            return run(), None
         except Exception as exc:
-            outcomes.append(({}, exc))
-    outcomes.reverse()  # the group's order
+            return {}, exc
+
+    last = outcome(lambda: traced(group[-1]))  # the caller's stage, while the others run
+    outcomes = [outcome(call.wait) for call in started] + [last]  # the group's order
     for _, error in outcomes:
         if error is not None:
             raise error
