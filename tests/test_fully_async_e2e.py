@@ -13,12 +13,11 @@
 """
 
 import json
-import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
+import recorded_runs
 from conftest import assert_ray_released, run_steps, shared_tiny_model
 from run_helpers import assert_nothing_left, run_processes, start_run, wait_for_file, write_hooks
 
@@ -29,9 +28,7 @@ from relax.engine.rollout.sglang_rollout import generate_rollout
 from relax.models.tasks import generate_task_dataset
 
 pytestmark = pytest.mark.e2e  # whole runs: Ray, trainer, engines
-FIXTURE = Path(__file__).parent / "data" / "stages_exact_reference.json"
 SYNC_RECORD = "fully_async_tiny_sync_seed5"  # the sync loop's learning metrics of `_config(..., "--num-rollout", "3")`
-RECORD = os.environ.get("RELAX_RECORD_STAGES") == "1"
 
 
 def _config(tmp_path, name, *extra):
@@ -55,22 +52,19 @@ def test_staleness_zero_is_the_sync_run(tmp_path):
     """Compared with the synchronous loop's records of the same config, kept in tests/data (recorded with
     RELAX_RECORD_STAGES=1, like tests/test_stages_exact.py, which checks that the sync loop still gives its own
     records): one whole run fewer in the suite. A deliberate change of the sync numerics re-records both."""
-    if RECORD:
+    if recorded_runs.RECORD:
         sync = run_steps(_config(tmp_path, "sync", "--num-rollout", "3"))
-        data = json.loads(FIXTURE.read_text())
-        data[SYNC_RECORD] = [_learning(r) for r in sync]
-        FIXTURE.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        recorded_runs.record(SYNC_RECORD, [_learning(r) for r in sync])
         return
-    sync = json.loads(FIXTURE.read_text())[SYNC_RECORD]
     fully = run_steps(_config(tmp_path, "async", "--num-rollout", "3", "--fully-async", "--max-staleness", "0"))
-    assert len(sync) == len(fully) == 3
-    assert sync[0]["train/grad_norm"] > 0
-    assert {"rollout/reward_mean", "train/loss", "train/grad_norm", "samples/trained"} <= set(sync[0]), sync[0]
-    for step, (a, b) in enumerate(zip(sync, fully)):
-        have = _learning(b)  # a metric added since the recording is not compared; one gone or changed fails
-        assert not set(a) - set(have), f"step {step}: no longer reported: {sorted(set(a) - set(have))}"
-        differ = {k: (a[k], have[k]) for k in a if a[k] != have[k]}
-        assert not differ, f"step {step}: (sync, async) differ: {differ} (re-record if the sync loop changed on purpose)"
+    assert len(fully) == 3
+    for sync in recorded_runs.variants(SYNC_RECORD):  # one per CPU kernel family (tests/recorded_runs.py)
+        assert sync[0]["train/grad_norm"] > 0
+        assert {"rollout/reward_mean", "train/loss", "train/grad_norm", "samples/trained"} <= set(sync[0]), sync[0]
+    # a metric added since the recording is not compared; one gone or changed fails (re-record if the sync loop
+    # changed on purpose)
+    recorded_runs.check(SYNC_RECORD, [_learning(b) for b in fully])
+    for step, b in enumerate(fully):
         assert b["async/staleness_max"] == 0 and b["async/queue_depth"] == 0
         if step:  # strict alternation: step N's rollout starts after step N-1's push
             assert b["async/rollout_start"] >= fully[step - 1]["async/train_end"]

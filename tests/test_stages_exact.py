@@ -3,7 +3,7 @@ fields (relax.core.stages): the learning metrics of a few steps, compared with v
 earlier code (one fused train call, auxiliary results passed through the driver) at the same seeds.
 
 Recorded in tests/data/stages_exact_reference.json by running this file with RELAX_RECORD_STAGES=1 on the
-code before the change. Re-recorded (with tests/test_reproducible.py and tests/test_fully_async_e2e.py) when the
+code before the change (one variant per CPU kernel family, tests/recorded_runs.py). Re-recorded (with tests/test_reproducible.py and tests/test_fully_async_e2e.py) when the
 trainer's LM head moved to the response rows alone (relax.backends.megatron.response_positions): a float32 matmul
 over fewer rows rounds differently, so the train/ metrics moved in their last digits (step 0 of the embedded
 default: grad norm 0.87476367 -> 0.87476362, loss -0.01244416 -> -0.01244414) and every rollout metric stayed
@@ -20,12 +20,8 @@ Runs:
   data-parallel ranks per role.
 """
 
-import json
-import math
-import os
-from pathlib import Path
-
 import pytest
+import recorded_runs
 from conftest import run_steps, shared_tiny_model
 
 from relax.config import parse_config
@@ -33,8 +29,6 @@ from relax.models.tasks import generate_task_dataset
 
 pytestmark = pytest.mark.e2e  # whole runs: Ray, trainer, reference, critic, engines
 
-FIXTURE = Path(__file__).parent / "data" / "stages_exact_reference.json"
-RECORD = os.environ.get("RELAX_RECORD_STAGES") == "1"
 
 
 def _compared(record: dict) -> dict:
@@ -44,21 +38,10 @@ def _compared(record: dict) -> dict:
 
 def _check_or_record(name: str, records: list[dict]) -> None:
     got = [_compared(r) for r in records]
-    if RECORD:
-        data = json.loads(FIXTURE.read_text()) if FIXTURE.exists() else {}
-        data[name] = got
-        FIXTURE.parent.mkdir(parents=True, exist_ok=True)
-        FIXTURE.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-        return
-    expected = json.loads(FIXTURE.read_text())[name]
-    assert len(got) == len(expected)
-    for step, (want, have) in enumerate(zip(expected, got)):
-        missing = sorted(set(want) - set(have))
-        assert not missing, f"{name} step {step}: metrics no longer reported: {missing}"
-        differ = {k: (want[k], have[k]) for k in want
-                  if not (want[k] == have[k] or (isinstance(want[k], float) and math.isnan(want[k])
-                                                 and math.isnan(have[k])))}
-        assert not differ, f"{name} step {step}: (recorded, now) differ: {differ}"
+    if recorded_runs.RECORD:
+        recorded_runs.record(name, got)
+    else:
+        recorded_runs.check(name, got)
 
 
 def test_ppo_critic_kl_reward_exact(tmp_path):
