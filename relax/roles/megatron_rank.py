@@ -63,6 +63,8 @@ class MegatronRank:
         owner = getattr(self, model, None)
         if owner is None:
             raise ValueError(f"rank {self.rank} holds no {model} model")
+        if hasattr(owner, "weights_checksum"):  # the reference in a process of its own (ReferenceProcess)
+            return owner.weights_checksum()
         with torch.no_grad():
             return float(sum(p.double().abs().sum() for p in owner.gpt_model.parameters()))
 

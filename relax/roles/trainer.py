@@ -14,7 +14,6 @@ from megatron.core import parallel_state as ps
 
 from relax.backends.megatron.arch import arch_for_run
 from relax.backends.megatron.cpu_compat import native_device_ops
-from relax.backends.megatron.rng_forks import forks_off
 from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
 from relax.config.megatron_options import options_from_config
 from relax.config.support_gpu import GPU_ONLY_REASONS
@@ -23,8 +22,8 @@ from relax.data.sample import ROLLOUT_FIELDS, Sample
 from relax.observability import timeline
 from relax.observability.metrics_client import MetricsReporter
 from relax.observability.profiling import Profiling, install_cuda_memory_check
-from relax.roles.background import BackgroundCall
 from relax.roles.megatron_rank import MegatronRank
+from relax.roles.reference_process import ReferenceProcess
 from relax.rollout.rewards.runner import check_step_rewards, reward_name
 from relax.training.step import advantage_stage, check_rows, forward_stage, update_stage
 from relax.training.streaming import StreamingUpdate
@@ -77,12 +76,13 @@ def reference_in_trainer(config: Any, use_gpu: bool) -> bool:
     role of their own: a synchronous run without GPUs, whose reference is never refreshed from the actor
     (--ref-update-interval), with the actor resident (no --colocate / --offload-train).
 
-    Why: on CPU the reference model is a second copy beside the actor's in host memory either way, and the
-    stages of a synchronous step never overlap; a role of its own costs one more process to start (torch and
-    Megatron imports, a model build; measured ~3 CPU-seconds of the embedded default's start-up on 2 cores), a
-    Ray call and a data-plane read of the step per step, where in the trainer the step's samples read for the
-    reference are the ones the actor's forward stage reads next. On GPU a separate reference keeps its own
-    devices, so it stays a role there; with --fully-async the reference of a later step may run beside an update."""
+    Why: on CPU the reference model is a second copy beside the actor's in host memory either way; a role of
+    its own costs a Ray actor to place and start, a Ray call and a data-plane read of the step per step, where in
+    the trainer the step's samples read for the reference are the ones the actor's forward stage reads next.
+    A one-rank actor runs its reference in a child process (relax.roles.reference_process: its pass beside the
+    actor's on the other core); with more ranks the reference shares the ranks' model-parallel groups and runs
+    in the rank's own process. On GPU a separate reference keeps its own devices, so it stays a role there;
+    with --fully-async the reference of a later step may run beside an update."""
     return (bool(config.use_kl_loss or config.kl_coef) and not use_gpu and not config.fully_async
             and not config.ref_update_interval and not config.colocate and not config.offload_train
             and not config.debug_rollout_only)
@@ -136,12 +136,16 @@ class TrainerWorker(MegatronRank):
         self._prefetched: dict[int, list[Sample]] = {}
         self.reference = None  # the reference model when `reference_in_trainer`
         self._streaming: dict[str, Any] | None = None  # the step trained in chunks (`train_chunk`)
-        self._reference_pass = None  # (step, start, BackgroundCall) of its pass running beside the forward stage
+        self._reference_pass = None  # (step, start) of the reference pass running beside the forward stage
         # --use-pytorch-profiler sections and --memory-snapshot-num-steps records of this rank
         self.profiling = Profiling.from_config(config, rank)
         self.reporter = MetricsReporter.from_config(config)  # --use-metrics-service; a no-op otherwise
 
     def setup(self, master_addr: str, master_port: int, backend: str) -> dict[str, Any]:
+        in_trainer = reference_in_trainer(self.config, use_gpu=torch.cuda.is_available())
+        if in_trainer and self.world_size == 1:  # built by a process of its own beside the actor's build
+            self.reference = ReferenceProcess(self.config, torch.get_num_threads(),
+                                              timeout_s=self.config.train_step_timeout or None)
         self.join_process_group(master_addr, master_port, backend)
         if self.config.enable_cuda_memory_check:  # before the model's collectives
             install_cuda_memory_check()
@@ -154,7 +158,7 @@ class TrainerWorker(MegatronRank):
             self.trainer.load_weights(self.config.ref_load, self.config.ref_ckpt_step)
         if self.config.keep_old_actor:  # the engines start from these weights (see push_weights)
             self.trainer.keep_weights("old_actor")
-        if reference_in_trainer(self.config, use_gpu=torch.cuda.is_available()):
+        if in_trainer and self.reference is None:  # sharing the actor's model-parallel group
             with _random_state_kept():
                 self.reference, _ = build_reference_trainer(self.config)
         self.data = DataPlane.attach()
@@ -325,33 +329,26 @@ class TrainerWorker(MegatronRank):
         samples = self.data.get(step)
         if self._holds_every_field():
             self._prefetched = {step: samples}
-        layout = self.reference.layout
+        layout = self.trainer.layout  # the reference's too (the actor's architecture and parallel layout)
         mine = samples[layout.dp_rank::layout.dp]
+        if self._holds_every_field() and mine:
+            # Nothing reads the rows before this rank's advantages: the pass runs in the reference's process
+            # (relax.roles.reference_process) beside the actor's forward stage, which comes next and waits for it
+            # (`_reference_done`). On CPU each pass takes a core (the engines idle while a synchronous step
+            # trains); the rows are the same as when run alone.
+            self.reference.start([s.prompt_tokens + s.response_tokens for s in mine],
+                                 [len(s.response_tokens) for s in mine], self.config.rollout_temperature)
+            self._reference_pass = (step, t0)
+            return {"samples": len(mine), "overlapped": True}
         with native_device_ops():  # plain host tensors: no CUDA-to-CPU rewriting needed (a Python hop per op)
             inputs = [{"tokens": torch.tensor(s.prompt_tokens + s.response_tokens, dtype=torch.long),
                        "response_length": len(s.response_tokens)} for s in mine]
-        if self._holds_every_field() and inputs:
-            # Nothing reads the rows before this rank's advantages: the pass runs on a thread beside the actor's
-            # forward stage, which comes next and waits for it (`_reference_done`). Both passes are mostly
-            # kernels that release the GIL, so on CPU each takes a core (the engines idle while a synchronous
-            # step trains); the rows are the same as when run alone.
-            self._reference_pass = (step, t0, BackgroundCall(
-                lambda: self._traced_reference_pass(step, inputs), f"reference log-probs, step {step}"))
-            return {"samples": len(mine), "overlapped": True}
         logprobs = self.reference.compute_logprobs(inputs, self.config.rollout_temperature) if inputs else []
         if not self._holds_every_field():
             self.data.put_fields(step, [s.index for s in mine], ref_logprobs=logprobs)
         if layout.dp == 1:
             self._keep_rows(step, ref_logprobs=logprobs)
         return {"samples": len(mine), "seconds": time.perf_counter() - t0}
-
-    def _traced_reference_pass(self, step: int, inputs: list[dict[str, Any]]
-                               ) -> tuple[list[torch.Tensor], float, float]:
-        start = time.perf_counter()
-        # forks_off: Megatron's RNG tracker is one per process, and the actor's pass on the main thread forks it
-        with timeline.span("reference log-probs (beside the actor forward)", step=step, cat="train"), forks_off():
-            logprobs = self.reference.compute_logprobs(inputs, self.config.rollout_temperature)
-        return logprobs, start, time.perf_counter()
 
     def _reference_done(self, step: int, forward_start: float, forward_end: float,
                         failing: bool = False) -> dict[str, float]:
@@ -361,12 +358,15 @@ class TrainerWorker(MegatronRank):
         `failing`: the forward stage raised; the pass is waited for and its result or error dropped."""
         if self._reference_pass is None:
             return {}
-        (pass_step, called, call), self._reference_pass = self._reference_pass, None
+        (pass_step, called), self._reference_pass = self._reference_pass, None
         if failing:
             with contextlib.suppress(BaseException):
-                call.result()
+                self.reference.result()
             return {}
-        logprobs, start, end = call.result()
+        logprobs, start, end = self.reference.result()
+        to_wall = time.time() - time.perf_counter()  # the child's clock is this one (CLOCK_MONOTONIC)
+        timeline.record("reference log-probs (reference process)", start + to_wall, end + to_wall, step=step,
+                        cat="train", lane="reference process")
         if pass_step != step:  # a forward stage of another step: never the case in either loop
             raise RuntimeError(f"step {step}: a reference pass of step {pass_step} was still running")
         self._keep_rows(step, ref_logprobs=logprobs)
