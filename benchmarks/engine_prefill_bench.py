@@ -143,7 +143,7 @@ def main(argv=None) -> None:
         import gc
 
         gc.collect()
-        gc.freeze()  # what the server process does after start-up (server.freeze_startup_objects)
+        gc.freeze()  # what the server process does after start-up (relax.heap.freeze)
     times: dict[str, list[float]] = {c: [] for c in configs}
     tokens: dict[str, list[int]] = {c: [] for c in configs}
     prof = None

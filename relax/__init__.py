@@ -1,7 +1,9 @@
 """Relax: Ray-actor distributed RL post-training for LLMs."""
 
+from relax import heap as _heap
 from relax.backends.megatron import lazy_jit as _lazy_jit
 
 __version__ = "0.1.0"
 
+_heap.install()  # torch, transformers and Megatron import with the cyclic collector paused (see the module)
 _lazy_jit.install()  # Megatron's jit fuser without torch._dynamo at import (see the module)

@@ -19,6 +19,7 @@ from typing import Any
 
 import ray
 
+from relax import heap
 from relax.config.config import Config
 from relax.config.env import TIMELINE_ENV
 from relax.config.errors import ConfigError
@@ -132,6 +133,7 @@ def run_controller(config: Config) -> int:
             try:
                 if not controller.started:  # a restart of the Megatron roles alone keeps the rest started
                     controller.start()
+                    heap.freeze()  # the controller's roles and handles live as long as the run (relax.heap)
                 if restarts is not None:
                     restarts.started(controller)
                 controller.run()

@@ -22,6 +22,7 @@ import ray
 import torch
 from transformers import AutoConfig
 
+from relax import heap
 from relax.backends.megatron.arch import ModelArch
 from relax.backends.megatron.trainer import MegatronTrainer
 from relax.data.plane import DataPlane
@@ -58,6 +59,7 @@ class CriticWorker(MegatronRank):
         if load and load != self.config.load:  # --load itself is restored by the controller's resume
             source = self.trainer.load_weights(load, role="critic") + f" {load}"
         self.data = DataPlane.attach()
+        heap.freeze()  # the model and the optimizer live as long as the rank (relax.heap)
         return {"rank": self.rank, "dp": self.trainer.layout.dp, "source": source,
                 "params": sum(p.numel() for p in self.trainer.gpt_model.parameters())}
 

@@ -23,6 +23,7 @@ import ray
 import torch
 from transformers import AutoConfig
 
+from relax import heap
 from relax.backends.megatron.arch import ModelArch, arch_for_run
 from relax.backends.megatron.checkpoint_layout import read_meta, resolve_model_checkpoint
 from relax.backends.megatron.trainer import MegatronTrainer
@@ -61,10 +62,12 @@ class ReferenceWorker(MegatronRank):
             self.trainer = MegatronTrainer(arch, settings)
             source = self.trainer.load_weights(where)
             self.data = DataPlane.attach()
+            heap.freeze()  # the model lives as long as the rank (relax.heap)
             return {"rank": self.rank, "dp": self.trainer.layout.dp, "source": f"{source} {where}"}
         # The actor's model (relax.roles.trainer.TrainerWorker.setup): --ref-update-interval copies its state here.
         self.trainer, source = build_reference_trainer(self.config)
         self.data = DataPlane.attach()
+        heap.freeze()
         return {"rank": self.rank, "dp": self.trainer.layout.dp, "source": source}
 
     @timeline.traced("log-probs", cat="train")

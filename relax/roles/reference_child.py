@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from relax import heap
 from relax.backends.megatron.cpu_compat import apply_cpu_compat
 from relax.backends.megatron.parallel import init_distributed
 from relax.roles.reference_process import receive, send
@@ -55,6 +56,7 @@ def serve(conn_in: Connection, conn_out: Connection) -> None:
         try:
             if message[0] == "setup":
                 reference, answer = _build(*message[1:]), None
+                heap.freeze()  # the model lives as long as the process (relax.heap)
             elif reference is None:
                 raise RuntimeError("the reference model was not built (its build failed above)")
             else:

@@ -27,6 +27,7 @@ from ray.util.placement_group import remove_placement_group
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
+from relax import heap
 from relax.backends.relax_router.process import router_from_config
 from relax.backends.sglang.router import RouterProcess
 from relax.config.autoscaler import load_autoscaler_config
@@ -158,6 +159,7 @@ class RolloutManager:
         self.faults: list[EngineFault] = [f for f in [fault_from_env()] if f is not None]
         self.reporter = MetricsReporter.from_config(config)  # --use-metrics-service; a no-op otherwise
         timeline.set_role("rollout manager")
+        heap.freeze()  # its tokenizer, prompts and reward functions live as long as the process (relax.heap)
         if config.use_fault_tolerance:
             generation.set_failover_window(failover_window_s(config))
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from relax import heap
 from relax.backends.megatron.arch import arch_for_run
 from relax.backends.megatron.cpu_compat import native_device_ops
 from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
@@ -162,6 +163,7 @@ class TrainerWorker(MegatronRank):
             with _random_state_kept():
                 self.reference, _ = build_reference_trainer(self.config)
         self.data = DataPlane.attach()
+        heap.freeze()  # the models and the optimizer live as long as the rank (relax.heap)
         return {"rank": self.rank, "dp": self.trainer.layout.dp, "where": self.where(), "params": sum(
             p.numel() for p in self.trainer.gpt_model.parameters())}
 

@@ -62,6 +62,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from relax import heap
 from relax.backends.auth import OPEN_ENDPOINTS, authorized, engine_api_key
 from relax.backends.embedded import shared_weights
 from relax.backends.embedded.engine import EmbeddedEngine, EngineError
@@ -652,17 +653,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def freeze_startup_objects() -> None:
-    """Move everything allocated so far (torch, transformers, the model, the app: ~400k objects) out of the
-    garbage collector's view: a full collection scanned them all, a pause of ~0.2 s on 2 cores every few
-    generation steps of the embedded default (its requests and replies are many short-lived objects), for
-    objects that live as long as the process. SGLang's server does the same (`gc.freeze`)."""
-    import gc
-
-    gc.collect()
-    gc.freeze()
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(
@@ -690,7 +680,7 @@ def main(argv=None) -> None:
         share_prefill=not args.disable_radix_cache,
     ).start()
     app = create_app(engine, api_key=args.api_key or engine_api_key())
-    freeze_startup_objects()
+    heap.freeze()  # torch, transformers, the model, the app: ~400k objects no collection needs to scan
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                             access_log=False, timeout_graceful_shutdown=5,
                             # Keep idle connections open longer than the router's connection pool does: with
