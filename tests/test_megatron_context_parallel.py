@@ -59,8 +59,12 @@ def test_context_parallel_matches_one_rank(model_and_samples):
         for want, got in zip(ref["metrics"], out["metrics"]):
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-6)
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+        # Adam divides each gradient element by its own running scale, so an element whose gradient is near the
+        # rounding noise of the two layouts' different reduction orders moves by a different fraction of the
+        # learning rate: on an AVX512 machine one of 4096 elements differed by 5.5e-6 after two steps at lr 1e-3.
+        # Weights agree to 1% of one step's learning rate; the log-probs, losses and gradient norms above stay tight.
         for key, tensor in ref["weights"].items():
-            torch.testing.assert_close(out["weights"][key], tensor, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(out["weights"][key], tensor, rtol=1e-5, atol=1e-2 * BASE["lr"])
 
 
 def test_context_parallel_layouts_checked_before_ray(tmp_path, tiny_model):
