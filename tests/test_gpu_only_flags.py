@@ -9,7 +9,7 @@ from conftest import relax_cli
 from relax.backends.megatron.testing import build_random_tiny_model, ensure_single_process, hf_trainer
 from relax.config import parse_config
 from relax.config.support import unsupported_flags
-from relax.roles.trainer import trainer_settings
+from relax.roles.megatron_settings import trainer_settings
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU-only machine")
 

@@ -12,7 +12,7 @@ from relax.backends.megatron.testing import build_random_tiny_model, hf_arch, ru
 from relax.config import ConfigError, parse_config
 from relax.config.support import unsupported_flags
 from relax.config.support_gpu import require_gpu_for
-from relax.roles.trainer import trainer_settings
+from relax.roles.megatron_settings import trainer_settings
 
 torch.set_num_threads(1)
 

@@ -103,7 +103,7 @@ def test_the_new_gpu_switches_reach_megatrons_config_objects(tmp_path, monkeypat
     import relax.backends.megatron.optim as optim
     from relax.backends.megatron.arch import ModelArch, to_transformer_config
     from relax.backends.megatron.trainer import TrainerSettings
-    from relax.roles.trainer import trainer_settings
+    from relax.roles.megatron_settings import trainer_settings
 
     config = parse_config(["--output-dir", str(tmp_path), "--moe-router-fusion",
                            "--disable-bf16-reduced-precision-matmul", "--use-torch-optimizer-for-cpu-offload"])
@@ -143,7 +143,7 @@ def test_the_new_gpu_switches_reach_megatrons_config_objects(tmp_path, monkeypat
 def test_flags_asking_for_what_the_trainer_builds_are_what_it_builds(tmp_path):
     """The --no-*-fusion switches (and --only-load-weight: forward-only roles load weights only, no optimizer)."""
     from relax.backends.megatron.testing import build_random_tiny_model, ensure_single_process, hf_trainer
-    from relax.roles.trainer import trainer_settings
+    from relax.roles.megatron_settings import trainer_settings
 
     flags = ["--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion",
              "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-gradient-accumulation-fusion",
@@ -161,7 +161,7 @@ def test_flags_asking_for_what_the_trainer_builds_are_what_it_builds(tmp_path):
 
 
 def test_qkv_format_is_accepted_and_bshd_refuses_dynamic_batching(tmp_path):
-    from relax.roles.trainer import trainer_settings
+    from relax.roles.megatron_settings import trainer_settings
 
     base = ["--output-dir", str(tmp_path)]
     thd = parse_config(base + ["--qkv-format", "thd", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64"])

@@ -35,7 +35,7 @@ def test_dispatcher_flag_is_alltoall_only(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp64"])
 def test_router_dtype_maps_to_the_trainer(tmp_path, dtype):
-    from relax.roles.trainer import trainer_settings
+    from relax.roles.megatron_settings import trainer_settings
 
     config = parse_config(["--output-dir", str(tmp_path), "--moe-router-dtype", dtype])
     assert trainer_settings(config).moe_router_dtype == dtype

@@ -18,7 +18,7 @@ from relax.config import ConfigError, parse_config
 from relax.config.megatron_options import ALL_OPTIONS, GPU_OPTIONS
 from relax.config.support import unsupported_flags
 from relax.config.support_gpu import GPU_ONLY_OPTION_REASONS, require_gpu_for
-from relax.roles.trainer import trainer_settings
+from relax.roles.megatron_settings import trainer_settings
 
 torch.set_num_threads(1)
 

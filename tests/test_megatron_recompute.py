@@ -15,7 +15,7 @@ from relax.backends.megatron.testing import (
 from relax.config import parse_config
 from relax.config.errors import ConfigError
 from relax.config.support import unsupported_flags
-from relax.roles.trainer import trainer_settings
+from relax.roles.megatron_settings import trainer_settings
 
 torch.set_num_threads(1)
 

@@ -94,7 +94,7 @@ def test_train_step_updates_weights_and_schedules_lr(model_dir):
 
 def test_warm_up_starts_at_lr_warmup_init(model_dir, tmp_path):
     from relax.config import parse_config
-    from relax.roles.trainer import trainer_settings
+    from relax.roles.megatron_settings import trainer_settings
 
     config = parse_config(["--output-dir", str(tmp_path), "--lr", "1e-3", "--lr-warmup-iters", "2",
                            "--lr-warmup-init", "2e-4"])

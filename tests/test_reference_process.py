@@ -12,7 +12,7 @@ import torch
 from relax.backends.megatron.testing import ensure_single_process
 from relax.config import parse_config
 from relax.roles.reference_process import ReferenceProcess, ReferenceProcessError
-from relax.roles.trainer import build_reference_trainer
+from relax.roles.megatron_settings import build_reference_trainer
 
 
 def _config(tmp_path, model, *extra):

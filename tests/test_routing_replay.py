@@ -222,7 +222,7 @@ def test_parse_rule_and_support(moe_dir, tmp_path):
     from relax.config.errors import ConfigError
     from relax.config.support import unsupported_flags
     from relax.models.tiny import TinyArch, build_tiny_model_dir
-    from relax.roles.trainer import trainer_settings
+    from relax.roles.megatron_settings import trainer_settings
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"input": "1+1=", "label": "2"}\n')

@@ -91,7 +91,7 @@ def test_reinforce_plus_plus_baseline_kl_reward_from_ref_load(assets):
         controller.start()
         start = ray.get(controller.workers[0].weights_checksum.remote())
         assert start == pytest.approx(STATE["actor_checksum"], rel=1e-9)  # the actor starts from --ref-load
-        # on CPU the reference lives in the actor's rank processes (relax.roles.trainer.reference_in_trainer)
+        # on CPU the reference lives in the actor's rank processes (relax.roles.megatron_settings.reference_in_trainer)
         assert controller.aux.reference is None and controller.aux.reference_in_trainer
         ref_sum = ray.get(controller.workers[0].weights_checksum.remote("reference"))
         assert ref_sum == pytest.approx(STATE["actor_checksum"], rel=1e-9)

@@ -12,7 +12,7 @@ from relax import algorithms as alg
 from relax.backends.megatron.testing import build_random_tiny_model, ensure_single_process, hf_trainer
 from relax.config import parse_config
 from relax.data.sample import Sample
-from relax.roles.trainer import trainer_settings
+from relax.roles.megatron_settings import trainer_settings
 from relax.training.advantages import trainer_inputs
 from relax.training.objective import PolicyObjective
 from relax.training.step import train_rollout

@@ -8,7 +8,7 @@ stage field:
   * reference (--use-kl-loss / --kl-coef): `compute(step)` writes `ref_logprobs`; every
     --ref-update-interval steps the actor ranks copy their weights into it after the update. In a synchronous
     run without GPUs it is no role of its own: the actor's rank processes hold the reference model and compute
-    the same rows (`relax.roles.trainer.reference_in_trainer`; `AuxRoles.reference_in_trainer`);
+    the same rows (`relax.roles.megatron_settings.reference_in_trainer`; `AuxRoles.reference_in_trainer`);
   * teacher (--use-opd --opd-type megatron): `compute(step)` writes `teacher_logprobs`; with --opd-type sglang
     the teacher is an SGLang-API server at --rm-url instead of a role
     (relax.rollout.teacher_client.SGLangTeacher, called from the controller with the same interface);
@@ -35,7 +35,7 @@ from relax.core.checkpointing import keep_limit, rotate_checkpoints
 from relax.core.placement import create_placement_group
 from relax.roles.critic import CriticWorker
 from relax.roles.reference import ReferenceWorker
-from relax.roles.trainer import reference_in_trainer
+from relax.roles.megatron_settings import reference_in_trainer
 from relax.rollout.teacher_client import SGLangTeacher
 
 logger = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from relax.backends.megatron.trainer import MegatronTrainer
 from relax.data.plane import DataPlane
 from relax.observability import timeline
 from relax.roles.megatron_rank import MegatronRank
-from relax.roles.trainer import trainer_settings
+from relax.roles.megatron_settings import trainer_settings
 from relax.training.step import train_critic
 
 

@@ -57,7 +57,7 @@ class MegatronRank:
 
     def weights_checksum(self, model: str = "trainer") -> float:
         """Sum of |w| over this rank's parameters; `model="reference"` for the reference model a trainer rank
-        holds itself (relax.roles.trainer.reference_in_trainer)."""
+        holds itself (relax.roles.megatron_settings.reference_in_trainer)."""
         import torch
 
         owner = getattr(self, model, None)

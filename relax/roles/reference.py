@@ -30,7 +30,7 @@ from relax.backends.megatron.trainer import MegatronTrainer
 from relax.data.plane import DataPlane
 from relax.observability import timeline
 from relax.roles.megatron_rank import MegatronRank
-from relax.roles.trainer import build_reference_trainer, trainer_settings
+from relax.roles.megatron_settings import build_reference_trainer, trainer_settings
 
 
 def _checkpoint_arch(kind: str, where) -> Any:

@@ -17,7 +17,7 @@ from relax import heap
 from relax.backends.megatron.cpu_compat import apply_cpu_compat
 from relax.backends.megatron.parallel import init_distributed
 from relax.roles.reference_process import receive, send
-from relax.roles.trainer import build_reference_trainer
+from relax.roles.megatron_settings import build_reference_trainer
 
 
 def _build(config: Any, threads: int):

@@ -1,4 +1,4 @@
-"""The in-trainer reference model (relax.roles.trainer.reference_in_trainer) of a one-rank actor, in a child
+"""The in-trainer reference model (relax.roles.megatron_settings.reference_in_trainer) of a one-rank actor, in a child
 process of that rank: its pass runs beside the actor's forward pass on the other core.
 
 Why a process and not a thread: both passes are a few hundred small kernels with Python between each, so two
