@@ -79,3 +79,10 @@ def test_a_killed_child_is_named_with_its_exit(tmp_path, tiny_model):
             child.compute_logprobs(_inputs(2), 1.0)
     finally:
         child.close()
+
+
+def test_the_child_ends_cleanly_when_the_rank_goes_before_its_answer(tmp_path, tiny_model):
+    child = ReferenceProcess(_config(tmp_path, tiny_model), threads=1)
+    inputs = _inputs(64)
+    child.start([x["tokens"].tolist() for x in inputs], [x["response_length"] for x in inputs], 1.0)
+    assert child.close() == 0  # no answer read: the child finds the pipe closed and exits without an error

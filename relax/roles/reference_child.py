@@ -62,9 +62,13 @@ def serve(conn_in: Connection, conn_out: Connection) -> None:
             else:
                 answer = _answer(reference, message)
         except Exception:  # noqa: BLE001 - sent back whole; the parent raises it in the stage that asked
-            send(conn_out, ("error", traceback.format_exc()))
-            continue
-        send(conn_out, ("ok", answer))
+            reply: tuple = ("error", traceback.format_exc())
+        else:
+            reply = ("ok", answer)
+        try:
+            send(conn_out, reply)
+        except OSError:  # the rank ended while this request ran: nobody to answer
+            return
 
 
 if __name__ == "__main__":

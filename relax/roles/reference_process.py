@@ -87,14 +87,15 @@ class ReferenceProcess:
         self._request(("checksum",), "the reference weights' checksum")
         return self._answer()
 
-    def close(self) -> None:
+    def close(self) -> int:
+        """Close the pipes (the child exits once its request in flight, if any, is done); the child's exit code."""
         for conn in (self._send_conn, self._recv_conn):
             conn.close()
         try:
-            self._proc.wait(timeout=10)
+            return self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self._proc.kill()
-            self._proc.wait()
+            return self._proc.wait()
 
     def _request(self, message: tuple, what: str) -> None:
         if self._pending == self._BUILD:  # the build's answer first (it only says whether the model is there)
