@@ -9,6 +9,7 @@ from typing import Any
 
 import ray
 
+from relax.backends.megatron.model import weights_checksum
 from relax.core.health import start_heartbeat
 from relax.observability import timeline
 from relax.weights.sync import close_all as close_weight_syncs
@@ -58,15 +59,12 @@ class MegatronRank:
     def weights_checksum(self, model: str = "trainer") -> float:
         """Sum of |w| over this rank's parameters; `model="reference"` for the reference model a trainer rank
         holds itself (relax.roles.megatron_settings.reference_in_trainer)."""
-        import torch
-
         owner = getattr(self, model, None)
         if owner is None:
             raise ValueError(f"rank {self.rank} holds no {model} model")
         if hasattr(owner, "weights_checksum"):  # the reference in a process of its own (ReferenceProcess)
             return owner.weights_checksum()
-        with torch.no_grad():
-            return float(sum(p.double().abs().sum() for p in owner.gpt_model.parameters()))
+        return weights_checksum(owner.gpt_model)
 
     # --offload-train / --colocate: free the trainer's memory while the engines run (relax.core.colocate)
     def offload_memory(self) -> dict[str, float]:

@@ -4,7 +4,6 @@ parent's end of the pipe closes."""
 
 from __future__ import annotations
 
-import socket
 import sys
 import time
 import traceback
@@ -15,7 +14,8 @@ import torch
 
 from relax import heap
 from relax.backends.megatron.cpu_compat import apply_cpu_compat
-from relax.backends.megatron.parallel import init_distributed
+from relax.backends.megatron.model import weights_checksum
+from relax.backends.megatron.parallel import free_port, init_distributed
 from relax.roles.reference_process import receive, send
 from relax.roles.megatron_settings import build_reference_trainer
 
@@ -23,10 +23,9 @@ from relax.roles.megatron_settings import build_reference_trainer
 def _build(config: Any, threads: int):
     torch.set_num_threads(max(1, threads))  # the rank's own count: the same kernels, so the same rows
     apply_cpu_compat()
-    with socket.socket() as sock:  # a rendezvous of its own: the reference has the actor's one-rank layout
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    init_distributed(0, 1, "127.0.0.1", port, backend="gloo", timeout_minutes=config.distributed_timeout_minutes)
+    # a rendezvous of its own: the reference has the actor's one-rank layout
+    init_distributed(0, 1, "127.0.0.1", free_port(), backend="gloo",
+                     timeout_minutes=config.distributed_timeout_minutes)
     return build_reference_trainer(config)[0]
 
 
@@ -41,8 +40,7 @@ def _answer(reference, message: tuple) -> Any:
         packed = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.float32)
         return packed, [len(r) for r in rows], start, end
     if kind == "checksum":
-        with torch.no_grad():
-            return float(sum(p.double().abs().sum() for p in reference.gpt_model.parameters()))
+        return weights_checksum(reference.gpt_model)
     raise ValueError(f"unknown request {kind!r}")
 
 

@@ -18,7 +18,7 @@ from relax.backends.megatron.layernorm1p import zero_centered_block_spec
 from relax.backends.megatron.megatron_options import call_provider
 from relax.backends.megatron.sequence_parallel import block_spec
 
-__all__ = ["build_gpt_model", "te_available", "layer_spec", "ValueHead", "is_value_head_param"]
+__all__ = ["build_gpt_model", "te_available", "layer_spec", "ValueHead", "is_value_head_param", "weights_checksum"]
 
 
 def te_available() -> bool:
@@ -156,3 +156,9 @@ def build_gpt_model(
             model.output_layer = ValueHead(arch.hidden_size, std=transformer_config.init_method_std,
                                            seed=value_head_seed, params_dtype=transformer_config.params_dtype)
     return model.to(compute_device())
+
+
+def weights_checksum(model: torch.nn.Module) -> float:
+    """Sum of |w| over a model's parameters, in float64: a cheap check that two copies hold the same weights."""
+    with torch.no_grad():
+        return float(sum(p.double().abs().sum() for p in model.parameters()))
