@@ -11,8 +11,9 @@ import torch
 
 from relax.backends.megatron.testing import ensure_single_process
 from relax.config import parse_config
-from relax.roles.reference_process import ReferenceProcess, ReferenceProcessError
 from relax.roles.megatron_settings import build_reference_trainer
+from relax.roles.reference_process import POLICY, REFERENCE, ReferenceProcess, ReferenceProcessError
+from relax.roles.step_passes import StepPasses, parts_for, streams_old_logprobs
 
 
 def _config(tmp_path, model, *extra):
@@ -86,3 +87,98 @@ def test_the_child_ends_cleanly_when_the_rank_goes_before_its_answer(tmp_path, t
     inputs = _inputs(64)
     child.start([x["tokens"].tolist() for x in inputs], [x["response_length"] for x in inputs], 1.0)
     assert child.close() == 0  # no answer read: the child finds the pipe closed and exits without an error
+
+
+def _state(trainer):
+    from relax.backends.megatron.hf_weights import unwrap_model
+
+    return [(k, v) for k, v in unwrap_model(trainer.model).state_dict().items() if isinstance(v, torch.Tensor)]
+
+
+def test_parts_stream_in_order_under_the_rank_weights(tmp_path, tiny_model):
+    """A pass asked in parts (relax.roles.step_passes) answers each part as computed, in the order asked: the
+    reference rows from the reference, the old-policy rows from the weights the rank wrote for this pass."""
+    config = _config(tmp_path, tiny_model, "--micro-batch-size", "4")
+    child = ReferenceProcess(config, threads=1, with_policy=True)
+    try:
+        ensure_single_process()
+        torch.set_num_threads(1)
+        reference = build_reference_trainer(config)[0]
+        policy = build_reference_trainer(config)[0]
+        inputs = _inputs(10, seed=3)
+        sequences, lengths = [x["tokens"].tolist() for x in inputs], [x["response_length"] for x in inputs]
+        parts = parts_for(len(inputs), 4, with_old=True)
+        assert parts == [(REFERENCE, 0, 4), (POLICY, 4, 10), (REFERENCE, 4, 10)]
+        for round_ in range(2):  # the second pass sees the weights written for it, not the first pass's
+            with torch.no_grad():
+                for p in policy.gpt_model.parameters():
+                    p.add_(0.05 * torch.randn_like(p))
+            child.start(sequences, lengths, 0.8, parts=parts, policy=_state(policy))
+            for kind, lo, hi in parts:
+                part = child.next_part()
+                assert (part.kind, part.lo, part.hi) == (kind, lo, hi) and part.start <= part.end
+                model = reference if kind == REFERENCE else policy
+                want = model.compute_logprobs(inputs[lo:hi], 0.8)
+                assert all(torch.equal(a, b) for a, b in zip(part.rows, want)), (round_, kind)
+            old = policy.compute_logprobs(inputs[4:], 0.8)
+            assert not all(torch.equal(a, b) for a, b in zip(old, reference.compute_logprobs(inputs[4:], 0.8)))
+        # a pass dropped after its first part (a failed stage): the next request's answers are its own
+        child.start(sequences, lengths, 0.8, parts=parts, policy=_state(policy))
+        child.next_part()
+        child.drain()
+        child.start(sequences[:3], lengths[:3], 0.8)
+        rows, _, _ = child.result()
+        assert all(torch.equal(a, b) for a, b in zip(rows, reference.compute_logprobs(inputs[:3], 0.8)))
+        # old-policy rows without the weights are the caller's error, before anything is sent
+        with pytest.raises(ReferenceProcessError, match="without the policy"):
+            child.start(sequences, lengths, 0.8, parts=parts)
+    finally:
+        child.close()
+
+
+def test_a_failing_part_ends_the_pass_and_the_process_goes_on(tmp_path, tiny_model):
+    config = _config(tmp_path, tiny_model, "--micro-batch-size", "4")
+    child = ReferenceProcess(config, threads=1, with_policy=True)
+    try:
+        inputs = _inputs(8)
+        sequences, lengths = [x["tokens"].tolist() for x in inputs], [x["response_length"] for x in inputs]
+        wrong = [("not.a.weight", torch.zeros(3))]
+        child.start(sequences, lengths, 1.0, parts=parts_for(8, 4, with_old=True), policy=wrong)
+        with pytest.raises(ReferenceProcessError, match="not.a.weight"):
+            child.next_part()
+        with pytest.raises(ReferenceProcessError, match="no pass in flight"):
+            child.next_part()
+        assert len(child.compute_logprobs(inputs[:2], 1.0)) == 2  # still answering
+    finally:
+        child.close()
+
+
+def test_step_passes_wait_for_each_row_once(tmp_path, tiny_model):
+    config = _config(tmp_path, tiny_model, "--micro-batch-size", "4")
+    child = ReferenceProcess(config, threads=1)
+    try:
+        inputs = _inputs(12)
+        sequences, lengths = [x["tokens"].tolist() for x in inputs], [x["response_length"] for x in inputs]
+        passes = StepPasses.start(child, 3, sequences, lengths, 1.0, gbs=4, with_old=False)
+        assert passes.parts == [(REFERENCE, 0, 4), (REFERENCE, 4, 8), (REFERENCE, 8, 12)]
+        rows = passes.rows(REFERENCE)
+        assert len(rows) == 12 and not passes.streams_old
+        first = rows[5]  # waits for the first two parts, not the third
+        assert len(passes.spans) == 2 and first.numel() == lengths[5]
+        metrics = passes.finish()
+        assert len(passes.spans) == 3 and metrics["perf/ref_logprob_time"] > 0
+        assert [r.numel() for r in rows] == lengths
+        whole = child.compute_logprobs(inputs, 1.0)
+        assert all(torch.equal(a, b) for a, b in zip(rows, whole))  # parts give a whole pass's rows
+    finally:
+        child.close()
+
+
+def test_which_runs_stream_old_policy_rows(tmp_path):
+    default = parse_config(["--output-dir", str(tmp_path)])  # the embedded default: 4 updates, --use-kl-loss
+    assert streams_old_logprobs(default)
+    for extra in (["--kl-coef", "0.01", "--kl-loss-coef", "0"], ["--keep-old-actor"], ["--use-rollout-logprobs"],
+                  ["--num-steps-per-rollout", "1"]):
+        assert not streams_old_logprobs(parse_config(["--output-dir", str(tmp_path), *extra])), extra
+    assert parts_for(4, 4, with_old=True) == [(REFERENCE, 0, 4)]
+    assert parts_for(9, 4, with_old=False) == [(REFERENCE, 0, 4), (REFERENCE, 4, 9)]

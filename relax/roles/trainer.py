@@ -15,6 +15,8 @@ from megatron.core import parallel_state as ps
 from relax import heap
 from relax.backends.megatron.arch import arch_for_run
 from relax.backends.megatron.cpu_compat import native_device_ops
+from relax.backends.megatron.hf_weights import unwrap_model
+from relax.backends.megatron.optim import gather_params
 from relax.backends.megatron.trainer import MegatronTrainer
 from relax.data.plane import DataPlane
 from relax.data.sample import ROLLOUT_FIELDS, Sample
@@ -23,7 +25,8 @@ from relax.observability.metrics_client import MetricsReporter
 from relax.observability.profiling import Profiling, install_cuda_memory_check
 from relax.roles.megatron_rank import MegatronRank
 from relax.roles.megatron_settings import build_reference_trainer, reference_in_trainer, trainer_settings
-from relax.roles.reference_process import ReferenceProcess
+from relax.roles.reference_process import POLICY, REFERENCE, ReferenceProcess
+from relax.roles.step_passes import StepPasses, streams_old_logprobs
 from relax.rollout.rewards.runner import check_step_rewards, reward_name
 from relax.training.step import advantage_stage, check_rows, forward_stage, update_stage
 from relax.training.streaming import StreamingUpdate
@@ -71,9 +74,12 @@ class TrainerWorker(MegatronRank):
             # Its own process, started now so that its imports and model build overlap this rank's start-up
             # (the first reference pass waits for it).
             self.reference = ReferenceProcess(config, torch.get_num_threads(),
-                                              timeout_s=config.train_step_timeout or None)
+                                              timeout_s=config.train_step_timeout or None,
+                                              with_policy=streams_old_logprobs(config))
         self._streaming: dict[str, Any] | None = None  # the step trained in chunks (`train_chunk`)
         self._reference_pass = None  # (step, start) of the reference pass running beside the forward stage
+        # the step whose reference (and later old-policy) rows arrive while it trains (relax.roles.step_passes)
+        self._passes: StepPasses | None = None
         # --use-pytorch-profiler sections and --memory-snapshot-num-steps records of this rank
         self.profiling = Profiling.from_config(config, rank)
         self.reporter = MetricsReporter.from_config(config)  # --use-metrics-service; a no-op otherwise
@@ -114,19 +120,27 @@ class TrainerWorker(MegatronRank):
         samples = self._prefetched.pop(step, None)  # read by this rank's reference stage just before
         if samples is None:
             samples = self.data.get(step)  # the whole step, in index order, on every rank
+        passes = self._step_passes(step)
+        if passes is not None:
+            passes.actor_start = t0
+        # with old-policy rows streamed, this rank computes the first update's alone (relax.roles.step_passes)
+        old_count = self.config.global_batch_size if passes is not None and passes.streams_old else None
         try:
             failed = check_step_rewards(samples, step, reward_name(self.config))
             with self.profiling.section("train_log_probs", step):
-                batch, olds = forward_stage(self.trainer, samples, self.config, step)
+                batch, olds = forward_stage(self.trainer, samples, self.config, step, old_count=old_count)
         except BaseException:
             self._reference_done(step, t0, time.perf_counter(), failing=True)  # this stage's error is the one
+            self._abandon_passes()
             raise
         reference = self._reference_done(step, t0, time.perf_counter())
         batch.metrics["train/reward_failed_samples"] = float(failed)
         if olds is not None and self.rank == 0 and not self._holds_every_field():
             self.data.put_fields(step, [s.index for s in batch.samples], old_logprobs=olds)
         self._batches = {step: batch}  # a step's batch replaces the last one: one step in flight per rank
-        if olds is not None:  # every rank computed all of them
+        if old_count is not None and olds is not None:
+            passes.give_old(olds)  # the rest arrive while the first update trains
+        elif olds is not None:  # every rank computed all of them
             self._keep_rows(step, old_logprobs=olds)
         return {"perf/old_logprob_time": time.perf_counter() - t0, **reference}
 
@@ -150,12 +164,24 @@ class TrainerWorker(MegatronRank):
     def train(self, step: int) -> dict[str, float]:
         """The actor's update (every rank) from the step's advantages, old and reference log-probs."""
         batch = self._batches.pop(step, None) or self._batch(step)
-        wanted = ["advantages"] + (["old_logprobs"] if batch.has_old_logprobs else [])
-        wanted += self._written(step, ("ref_logprobs",))
+        passes = self._step_passes(step)
+        streamed_old = passes is not None and passes.streams_old and batch.has_old_logprobs
+        wanted = ["advantages"] + (["old_logprobs"] if batch.has_old_logprobs and not streamed_old else [])
+        wanted += self._written(step, ("ref_logprobs",)) if passes is None else []
         rows = self._read_fields(batch, wanted)
+        if passes is not None:  # rows that arrive while the updates run, each before the update that reads it
+            rows["ref_logprobs"] = passes.rows(REFERENCE)
+            if streamed_old:
+                rows["old_logprobs"] = passes.rows(POLICY)
         self._rows.pop(step, None)
-        with self.profiling.section("train_actor", step):
-            metrics = update_stage(self.trainer, batch, self.config, **rows)
+        try:
+            with self.profiling.section("train_actor", step):
+                metrics = update_stage(self.trainer, batch, self.config, **rows)
+            if passes is not None:
+                metrics.update(self._passes_done(passes))
+        except BaseException:
+            self._abandon_passes()
+            raise
         self.profiling.stop("train_overall", step)
         self.profiling.memory_end()
         self.reporter.report("trainer", self.rank, metrics, step=step)
@@ -265,14 +291,25 @@ class TrainerWorker(MegatronRank):
             self._prefetched = {step: samples}
         layout = self.trainer.layout  # the reference's too (the actor's architecture and parallel layout)
         mine = samples[layout.dp_rank::layout.dp]
+        self._abandon_passes()  # a step that failed before its update: its parts are dropped
         if self._holds_every_field() and mine:
             # Nothing reads the rows before this rank's advantages: the pass runs in the reference's process
             # (relax.roles.reference_process) beside the actor's forward stage, which comes next and waits for it
             # (`_reference_done`). On CPU each pass takes a core (the engines idle while a synchronous step
-            # trains); the rows are the same as when run alone.
-            self.reference.start([s.prompt_tokens + s.response_tokens for s in mine],
-                                 [len(s.response_tokens) for s in mine], self.config.rollout_temperature)
-            self._reference_pass = (step, t0)
+            # trains); the rows are the same as when run alone. With several updates and no reference rows read
+            # by the advantages (--kl-coef), the update reads them instead, each update's as it starts, and the
+            # process computes the later updates' old-policy rows too (relax.roles.step_passes).
+            sequences = [s.prompt_tokens + s.response_tokens for s in mine]
+            lengths = [len(s.response_tokens) for s in mine]
+            gbs = self.config.global_batch_size or len(mine)
+            if len(mine) // gbs > 1 and not self.config.kl_coef:
+                with_old = self.reference.with_policy
+                self._passes = StepPasses.start(self.reference, step, sequences, lengths,
+                                                self.config.rollout_temperature, gbs, with_old,
+                                                policy=self._policy_tensors() if with_old else None)
+            else:
+                self.reference.start(sequences, lengths, self.config.rollout_temperature)
+                self._reference_pass = (step, t0)
             return {"samples": len(mine), "overlapped": True}
         with native_device_ops():  # plain host tensors: no CUDA-to-CPU rewriting needed (a Python hop per op)
             inputs = [{"tokens": torch.tensor(s.prompt_tokens + s.response_tokens, dtype=torch.long),
@@ -306,6 +343,33 @@ class TrainerWorker(MegatronRank):
         self._keep_rows(step, ref_logprobs=logprobs)
         return {"perf/ref_logprob_time": end - called,
                 "perf/ref_overlap_time": max(0.0, min(end, forward_end) - max(start, forward_start))}
+
+    def _step_passes(self, step: int) -> StepPasses | None:
+        return self._passes if self._passes is not None and self._passes.step == step else None
+
+    def _abandon_passes(self) -> None:
+        passes, self._passes = self._passes, None
+        if passes is not None:
+            passes.abandon()
+
+    def _passes_done(self, passes: StepPasses) -> dict[str, float]:
+        """The parts not yet read (those of samples no update trains on), their spans on the timeline, and their
+        metrics (`StepPasses.finish`)."""
+        metrics = passes.finish()
+        self._passes = None
+        to_wall = time.time() - time.perf_counter()  # the child's clock is this one (CLOCK_MONOTONIC)
+        for kind, start, end in passes.spans:
+            name = "reference log-probs" if kind == REFERENCE else "old-policy log-probs"
+            timeline.record(f"{name} (reference process)", start + to_wall, end + to_wall, step=passes.step,
+                            cat="train", lane="reference process")
+        return metrics
+
+    def _policy_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """This rank's model tensors (the state dict's, not copied): the policy that generated the step's samples,
+        for the reference process's old-policy rows."""
+        gather_params(self.trainer.model)  # --overlap-param-gather: the other ranks' shards of the last step
+        return [(name, t) for name, t in unwrap_model(self.trainer.model).state_dict().items()
+                if isinstance(t, torch.Tensor)]
 
     def refresh_reference(self, step: int, targets: list[Any]) -> dict[str, float]:
         """--ref-update-interval: copy this rank's weights into its reference peer (after the step's update)."""

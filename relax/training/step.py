@@ -82,11 +82,12 @@ class StepBatch:
     seconds: float = 0.0  # compute time of this rank's stages so far (perf/train_compute_time)
 
 
-def forward_stage(trainer, samples: Sequence[Sample], config: Any, step: int = 0
+def forward_stage(trainer, samples: Sequence[Sample], config: Any, step: int = 0, old_count: Optional[int] = None
                   ) -> tuple[StepBatch, Optional[list[torch.Tensor]]]:
     """Actor forward: the training data of the step's samples and their old-policy log-probs (None when the
     loss does not need them; see `_old_logprobs`), with --true-on-policy-mode's check and the routing-replay
-    routes."""
+    routes. `old_count`: the old-policy rows of the first `old_count` samples only (the others come from the
+    reference process while the first update trains, relax.roles.step_passes)."""
     t0 = time.perf_counter()
     if not samples:
         raise RuntimeError(f"step {step}: no samples in the data plane")
@@ -101,7 +102,8 @@ def forward_stage(trainer, samples: Sequence[Sample], config: Any, step: int = 0
     if routes is not None:  # R3: the old log-probs too are computed with the engine's routing
         for x, r in zip(base, routes):
             x["routed_experts"] = r
-    olds, old_entropy, recomputed = _old_logprobs(trainer, base, config, num_updates, step)
+    olds, old_entropy, recomputed = _old_logprobs(trainer, base if old_count is None else base[:old_count],
+                                                  config, num_updates, step)
     if routes is None:
         routes = _replay_routes(trainer, base, config)
     on_policy_diff = None
@@ -123,10 +125,9 @@ def advantage_stage(batch: StepBatch, config: Any, *, old_logprobs: Sequence[tor
     step's rewards and the other stages' rows (relax.training.advantages)."""
     t0 = time.perf_counter()
     step = batch.step
-    objective = PolicyObjective.from_config(config)
-    if (objective.needs_ref or config.kl_coef) and ref_logprobs is None:
-        raise RuntimeError(f"step {step}: --use-kl-loss / --kl-coef need reference log-probs, but no reference "
-                           "role wrote them")
+    # --kl-coef shapes the rewards here; --use-kl-loss's reference rows are the update's (update_stage checks them)
+    if config.kl_coef and ref_logprobs is None:
+        raise RuntimeError(f"step {step}: --kl-coef needs reference log-probs, but no reference role wrote them")
     if config.advantage_estimator == "ppo" and values is None:
         raise RuntimeError(f"step {step}: --advantage-estimator ppo needs the critic's values, but no critic role "
                            "wrote them")
@@ -150,11 +151,14 @@ def advantage_stage(batch: StepBatch, config: Any, *, old_logprobs: Sequence[tor
 
 def update_inputs(batch: StepBatch, advantages: Sequence[torch.Tensor],
                   old_logprobs: Sequence[torch.Tensor] | None = None,
-                  ref_logprobs: Sequence[torch.Tensor] | None = None) -> list[dict[str, Any]]:
-    """The trainer's sample dicts of the update: the forward stage's tensors of the same samples with their
-    advantages, old and reference log-probs, replayed routes and old entropy (those the step has)."""
-    inputs = with_advantages(batch.base, advantages)
-    for i, x in enumerate(inputs):
+                  ref_logprobs: Sequence[torch.Tensor] | None = None,
+                  lo: int = 0, hi: Optional[int] = None) -> list[dict[str, Any]]:
+    """The trainer's sample dicts of the update of samples [lo, hi) (default all): the forward stage's tensors of
+    the same samples with their advantages, old and reference log-probs, replayed routes and old entropy (those
+    the step has). Only rows [lo, hi) are read: later ones may still be on their way (relax.roles.step_passes)."""
+    hi = len(batch.base) if hi is None else min(hi, len(batch.base))
+    inputs = with_advantages(batch.base[lo:hi], advantages[lo:hi])
+    for i, x in zip(range(lo, hi), inputs):
         if old_logprobs is not None:
             x["old_logprobs"] = old_logprobs[i]
         if ref_logprobs is not None:
@@ -181,12 +185,12 @@ def update_stage(trainer, batch: StepBatch, config: Any, *, advantages: Sequence
     update_actor = actor_updates_at(config, step)
     gbs = config.global_batch_size or len(samples)
     num_updates = batch.num_updates
-    inputs = update_inputs(batch, advantages, old_logprobs, ref_logprobs)
     if config.save_debug_train_data:
+        inputs = update_inputs(batch, advantages, old_logprobs, ref_logprobs)
         save_train_data(config.save_debug_train_data, step, _global_rank(), inputs, [s.index for s in samples])
     metrics: dict[str, list[float]] = {}
     for update in range(num_updates if update_actor else 0):
-        part = inputs[update * gbs:(update + 1) * gbs]
+        part = update_inputs(batch, advantages, old_logprobs, ref_logprobs, update * gbs, (update + 1) * gbs)
         mine, spread = dp_share(part, trainer.layout, bool(config.balance_data))
         for key, value in spread.items():
             metrics.setdefault(key, []).append(value)
@@ -214,7 +218,7 @@ def update_stage(trainer, batch: StepBatch, config: Any, *, advantages: Sequence
             result["train/reward_mean"] = float(batch.rewards.mean())
     if batch.on_policy_diff is not None:
         result["train/true_on_policy_max_abs_diff"] = batch.on_policy_diff
-    result["train/tokens"] = float(sum(len(x["tokens"]) for x in inputs))
+    result["train/tokens"] = float(sum(len(x["tokens"]) for x in batch.base))
     batch.seconds += time.perf_counter() - t0
     result["perf/train_compute_time"] = batch.seconds
     return result
