@@ -52,8 +52,10 @@ def pad_rows(rows: Sequence[Sequence[float] | torch.Tensor], width: int, pad: fl
     out = torch.full((len(rows), width), pad, dtype=dtype)
     if not rows:
         return out
-    parts = [(row if torch.is_tensor(row) else torch.as_tensor(row, dtype=dtype)).reshape(-1) for row in rows]
-    lengths = torch.tensor([part.numel() for part in parts])
+    # 1-D tensors (the common case) go as they are: a reshape per row costs more than its copy
+    parts = [row if isinstance(row, torch.Tensor) and row.dim() == 1 else
+             (row if isinstance(row, torch.Tensor) else torch.as_tensor(row, dtype=dtype)).reshape(-1) for row in rows]
+    lengths = torch.tensor([part.shape[0] for part in parts])
     flat = torch.cat(parts).to(dtype)
     starts = torch.cumsum(lengths, 0) - lengths
     cols = torch.arange(flat.numel()) - torch.repeat_interleave(starts, lengths)

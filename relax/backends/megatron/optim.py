@@ -77,6 +77,18 @@ def gather_params(ddp_model) -> None:
         group.finish_param_sync(skip_next_bucket_dispatch=True)
 
 
+def grads_finite(model) -> bool:
+    """Whether every gradient of `model` is finite. Under Megatron's DDP each parameter's `main_grad` is a view of
+    a contiguous grad buffer: one check per buffer (padding there is zero) instead of one per parameter."""
+    buffers = getattr(model, "buffers", None)  # DDP's list of grad buffers (nn.Module.buffers is a method)
+    if isinstance(buffers, list):
+        grads = [b.grad_data for b in buffers + list(getattr(model, "expert_parallel_buffers", []))]
+    else:
+        grads = [getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
+                 for p in model.parameters()]
+    return all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
+
+
 def build_optimizer(
     ddp_model,
     transformer_config,

@@ -52,7 +52,7 @@ from relax.backends.megatron.megatron_options import (
     transformer_fields,
 )
 from relax.backends.megatron.model import build_gpt_model
-from relax.backends.megatron.optim import build_optimizer, build_scheduler, gather_params, wrap_ddp
+from relax.backends.megatron.optim import build_optimizer, build_scheduler, gather_params, grads_finite, wrap_ddp
 from relax.backends.megatron.parallel import ParallelLayout, free_port, init_distributed, init_model_parallel
 from relax.backends.megatron import response_positions as positions
 
@@ -719,14 +719,9 @@ class MegatronTrainer:
         """Raise (on every rank) if the loss or any gradient is NaN/Inf; grads are then zeroed."""
         bad_grad = torch.zeros(1, device=self._device)
         if not (self.settings.fp16):  # fp16 overflow is the loss scaler's job (skipped update)
-            for param in self.model.parameters():
-                grad = getattr(param, "main_grad", None)
-                if grad is None:
-                    grad = param.grad
-                if grad is not None and not bool(torch.isfinite(grad).all()):
-                    bad_grad.fill_(1.0)
-                    break
-            dist.all_reduce(bad_grad, op=dist.ReduceOp.MAX)
+            bad_grad.fill_(0.0 if grads_finite(self.model) else 1.0)
+            if dist.get_world_size() > 1:  # a one-rank all-reduce is a gloo round trip that changes nothing
+                dist.all_reduce(bad_grad, op=dist.ReduceOp.MAX)
         loss = metrics.get("loss", 0.0)
         if bad_grad.item() > 0 or loss != loss or loss in (float("inf"), float("-inf")):
             self.model.zero_grad_buffer()
