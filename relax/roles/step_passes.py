@@ -1,18 +1,22 @@
 """A one-rank actor's step whose reference and later old-policy log-probs arrive while it trains.
 
 With several optimizer steps per rollout (`--global-batch-size` below the step's samples), update u trains on
-samples [u * gbs, (u + 1) * gbs) and needs their old-policy and reference log-probs only when it starts. The rank
-computes the old-policy rows of the first update's samples itself and starts training; its reference process
-(relax.roles.reference_process, with the policy's weights of the rollout) computes, on the other core, the
-reference rows of the first update's samples, then the old-policy and reference rows of each later update's, in
-the order the updates need them (`parts_for`). Before, the rank computed every old-policy row before its first
-update while the other core finished the reference rows and then idled through the updates.
+samples [u * gbs, (u + 1) * gbs) and needs their old-policy and reference log-probs only when it starts. The first
+update's old-policy log-probs are the current ones: the weights have not moved since the rollout, so the loss
+takes its own log-probs, detached (ratio 1, as with one update per rollout), and the rank computes no old-policy
+rows before it. Its reference process (relax.roles.reference_process, with the policy's weights of the rollout)
+computes, on the other core, the reference rows of the first update's samples, then the old-policy and reference
+rows of each later update's, in the order the updates need them (`parts_for`). Before, the rank computed every
+old-policy row before its first update while the other core finished the reference rows and then idled through
+the updates.
 
 The rows are the ones a pass over all samples gives: each part is whole micro-batches of that pass (a part
 starts at a multiple of the micro-batch size, so it is cut into the same micro-batches) on the same weights and
-code, and a forward pass does not depend on the other micro-batches. Dynamic batch size
-(`--use-dynamic-batch-size`) groups samples by a token budget from the first sample: parts cut at update
-boundaries can group them otherwise, which changes float rounding, not the values' meaning.
+code, and a forward pass does not depend on the other micro-batches. The first update's own log-probs equal its
+old-policy pass's, bitwise on CPU (the same kernels with or without autograd; the recorded runs of
+tests/recorded_runs.py hold that). Dynamic batch size (`--use-dynamic-batch-size`) groups samples by a token
+budget from the first sample: parts cut at update boundaries can group them otherwise, which changes float
+rounding, not the values' meaning.
 
 `StepPasses.rows(kind)` is the rows of one kind as a sequence whose items wait for their part (`StreamedRows`);
 the update reads them update by update (relax.training.step.update_stage)."""
@@ -72,6 +76,8 @@ class StreamedRows(Sequence):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
+        if self._kind == POLICY and 0 <= i < self._passes.current_old:
+            return None  # the first update's: its own log-probs (relax.training.objective: absent -> current)
         rows = self._passes.received[self._kind]
         while rows[i] is None:
             self._passes.pull()
@@ -82,20 +88,21 @@ class StepPasses:
     """The parts of one step asked of the reference process (`start`), received as the update needs them."""
 
     def __init__(self, process: ReferenceProcess, step: int, samples: int, parts: list[tuple[str, int, int]],
-                 called: float, given_old: list[torch.Tensor] | None = None):
+                 called: float):
         self.process = process
         self.step = step
         self.parts = parts
         self.called = called
         self.received: dict[str, list[torch.Tensor | None]] = {REFERENCE: [None] * samples}
+        # old-policy rows: the samples before the first POLICY part are the first update's (none asked)
+        self.current_old = 0
         if any(kind == POLICY for kind, _, _ in parts):
             self.received[POLICY] = [None] * samples
+            self.current_old = min(lo for kind, lo, _ in parts if kind == POLICY)
         self._left = len(parts)
         self.spans: list[tuple[str, float, float]] = []  # (kind, start, end) of each part, the child's clock
         self.waited = 0.0  # seconds the rank waited for parts
         self.actor_start: float | None = None  # when the actor's forward stage began (perf/ref_overlap_time)
-        if given_old is not None:
-            self.give_old(given_old)
 
     @classmethod
     def start(cls, process: ReferenceProcess, step: int, sequences: list[list[int]], response_lengths: list[int],
@@ -108,10 +115,6 @@ class StepPasses:
     @property
     def streams_old(self) -> bool:
         return POLICY in self.received
-
-    def give_old(self, rows: Sequence[torch.Tensor]) -> None:
-        """The old-policy rows the rank computed itself (the first samples, not asked of the process)."""
-        self.received[POLICY][:len(rows)] = list(rows)
 
     def rows(self, kind: str) -> StreamedRows:
         return StreamedRows(self, kind)

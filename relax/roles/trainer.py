@@ -123,12 +123,12 @@ class TrainerWorker(MegatronRank):
         passes = self._step_passes(step)
         if passes is not None:
             passes.actor_start = t0
-        # with old-policy rows streamed, this rank computes the first update's alone (relax.roles.step_passes)
-        old_count = self.config.global_batch_size if passes is not None and passes.streams_old else None
+        # with old-policy rows streamed this rank computes none (relax.roles.step_passes)
+        streamed_old = passes is not None and passes.streams_old
         try:
             failed = check_step_rewards(samples, step, reward_name(self.config))
             with self.profiling.section("train_log_probs", step):
-                batch, olds = forward_stage(self.trainer, samples, self.config, step, old_count=old_count)
+                batch, olds = forward_stage(self.trainer, samples, self.config, step, old_elsewhere=streamed_old)
         except BaseException:
             self._reference_done(step, t0, time.perf_counter(), failing=True)  # this stage's error is the one
             self._abandon_passes()
@@ -138,9 +138,7 @@ class TrainerWorker(MegatronRank):
         if olds is not None and self.rank == 0 and not self._holds_every_field():
             self.data.put_fields(step, [s.index for s in batch.samples], old_logprobs=olds)
         self._batches = {step: batch}  # a step's batch replaces the last one: one step in flight per rank
-        if old_count is not None and olds is not None:
-            passes.give_old(olds)  # the rest arrive while the first update trains
-        elif olds is not None:  # every rank computed all of them
+        if olds is not None:  # every rank computed all of them
             self._keep_rows(step, old_logprobs=olds)
         return {"perf/old_logprob_time": time.perf_counter() - t0, **reference}
 
@@ -176,7 +174,8 @@ class TrainerWorker(MegatronRank):
         self._rows.pop(step, None)
         try:
             with self.profiling.section("train_actor", step):
-                metrics = update_stage(self.trainer, batch, self.config, **rows)
+                metrics = update_stage(self.trainer, batch, self.config, **rows,
+                                       late=("ref_logprobs",) if passes is not None else ())
             if passes is not None:
                 metrics.update(self._passes_done(passes))
         except BaseException:

@@ -82,12 +82,12 @@ class StepBatch:
     seconds: float = 0.0  # compute time of this rank's stages so far (perf/train_compute_time)
 
 
-def forward_stage(trainer, samples: Sequence[Sample], config: Any, step: int = 0, old_count: Optional[int] = None
+def forward_stage(trainer, samples: Sequence[Sample], config: Any, step: int = 0, old_elsewhere: bool = False
                   ) -> tuple[StepBatch, Optional[list[torch.Tensor]]]:
     """Actor forward: the training data of the step's samples and their old-policy log-probs (None when the
     loss does not need them; see `_old_logprobs`), with --true-on-policy-mode's check and the routing-replay
-    routes. `old_count`: the old-policy rows of the first `old_count` samples only (the others come from the
-    reference process while the first update trains, relax.roles.step_passes)."""
+    routes. `old_elsewhere`: the update reads old-policy rows computed elsewhere (relax.roles.step_passes): no
+    pass here, and None returned."""
     t0 = time.perf_counter()
     if not samples:
         raise RuntimeError(f"step {step}: no samples in the data plane")
@@ -102,8 +102,10 @@ def forward_stage(trainer, samples: Sequence[Sample], config: Any, step: int = 0
     if routes is not None:  # R3: the old log-probs too are computed with the engine's routing
         for x, r in zip(base, routes):
             x["routed_experts"] = r
-    olds, old_entropy, recomputed = _old_logprobs(trainer, base if old_count is None else base[:old_count],
-                                                  config, num_updates, step)
+    if old_elsewhere:
+        olds = old_entropy = recomputed = None
+    else:
+        olds, old_entropy, recomputed = _old_logprobs(trainer, base, config, num_updates, step)
     if routes is None:
         routes = _replay_routes(trainer, base, config)
     on_policy_diff = None
@@ -112,7 +114,7 @@ def forward_stage(trainer, samples: Sequence[Sample], config: Any, step: int = 0
     batch = StepBatch(step=step, samples=list(samples), received=received, raw_rewards=raw_rewards, rewards=rewards,
                       given_advantages=given_advantages, custom_data=custom_data, num_updates=num_updates, base=base,
                       entropy=old_entropy, routes=routes, on_policy_diff=on_policy_diff,
-                      has_old_logprobs=olds is not None)
+                      has_old_logprobs=olds is not None or old_elsewhere)
     batch.seconds = time.perf_counter() - t0
     return batch, olds
 
@@ -159,7 +161,7 @@ def update_inputs(batch: StepBatch, advantages: Sequence[torch.Tensor],
     hi = len(batch.base) if hi is None else min(hi, len(batch.base))
     inputs = with_advantages(batch.base[lo:hi], advantages[lo:hi])
     for i, x in zip(range(lo, hi), inputs):
-        if old_logprobs is not None:
+        if old_logprobs is not None and old_logprobs[i] is not None:  # None: the current log-probs (ratio 1)
             x["old_logprobs"] = old_logprobs[i]
         if ref_logprobs is not None:
             x["ref_logprobs"] = ref_logprobs[i]
@@ -172,10 +174,11 @@ def update_inputs(batch: StepBatch, advantages: Sequence[torch.Tensor],
 
 def update_stage(trainer, batch: StepBatch, config: Any, *, advantages: Sequence[torch.Tensor],
                  old_logprobs: Sequence[torch.Tensor] | None = None,
-                 ref_logprobs: Sequence[torch.Tensor] | None = None) -> dict[str, float]:
+                 ref_logprobs: Sequence[torch.Tensor] | None = None, late: tuple[str, ...] = ()) -> dict[str, float]:
     """The actor's update: `num_updates` optimizer steps on this rank's share. While only the critic trains
     (`actor_updates_at` False) the actor makes no update. The result merges the advantage stage's metrics
-    (`batch.metrics`, on the rank that computed them)."""
+    (`batch.metrics`, on the rank that computed them). `late`: the fields among old_logprobs / ref_logprobs whose
+    rows may still be arriving (relax.roles.step_passes): each micro-batch reads them after its forward pass."""
     t0 = time.perf_counter()
     step = batch.step
     objective = PolicyObjective.from_config(config)
@@ -189,13 +192,17 @@ def update_stage(trainer, batch: StepBatch, config: Any, *, advantages: Sequence
         inputs = update_inputs(batch, advantages, old_logprobs, ref_logprobs)
         save_train_data(config.save_debug_train_data, step, _global_rank(), inputs, [s.index for s in samples])
     metrics: dict[str, list[float]] = {}
+    given = {"old_logprobs": old_logprobs, "ref_logprobs": ref_logprobs}
     for update in range(num_updates if update_actor else 0):
-        part = update_inputs(batch, advantages, old_logprobs, ref_logprobs, update * gbs, (update + 1) * gbs)
+        lo, hi = update * gbs, (update + 1) * gbs
+        part = update_inputs(batch, advantages, *(None if name in late else rows for name, rows in given.items()),
+                             lo, hi)
         mine, spread = dp_share(part, trainer.layout, bool(config.balance_data))
         for key, value in spread.items():
             metrics.setdefault(key, []).append(value)
+        extra = {"late_fields": _late_fields({n: given[n] for n in late}, part, mine, lo)} if late else {}
         try:
-            out = trainer.train_step(mine, objective, config.rollout_temperature)
+            out = trainer.train_step(mine, objective, config.rollout_temperature, **extra)
         except FloatingPointError as exc:
             raise FloatingPointError(f"step {step} (update {update}): {exc}") from None
         for key in ("loss", "grad_norm"):
@@ -240,6 +247,15 @@ def train_rollout(trainer, samples: Sequence[Sample], config: Any, step: int = 0
         s.advantages = advantages[i].tolist()
         s.returns = returns[i].tolist() if returns is not None else None
     return update_stage(trainer, batch, config, advantages=advantages, old_logprobs=olds, ref_logprobs=ref)
+
+
+def _late_fields(rows: dict[str, Sequence[torch.Tensor]], part: Sequence[dict[str, Any]],
+                 mine: Sequence[dict[str, Any]], lo: int) -> dict[str, Any]:
+    """`MegatronTrainer.train_step`'s late_fields: samples [a, b) of this rank's share `mine` of the update `part`
+    (samples lo.. of the step) -> their rows of each field of `rows`, read when asked."""
+    where = {id(x): lo + i for i, x in enumerate(part)}
+    order = [where[id(x)] for x in mine]
+    return {name: (lambda a, b, values=values: [values[i] for i in order[a:b]]) for name, values in rows.items()}
 
 
 def dp_share(batch: Sequence[dict[str, Any]], layout, balance: bool) -> tuple[list[dict[str, Any]], dict[str, float]]:

@@ -21,7 +21,7 @@ import torch
 
 from relax.algorithms import pad_rows
 
-__all__ = ["MicroBatch", "make_micro_batches", "token_budget_groups", "RESERVED_KEYS"]
+__all__ = ["MicroBatch", "add_late_fields", "make_micro_batches", "token_budget_groups", "RESERVED_KEYS"]
 
 RESERVED_KEYS = frozenset({"tokens", "response_length"})
 
@@ -173,3 +173,19 @@ def make_micro_batches(
         _collate(samples[i : i + micro_batch_size], pad_id, seq_multiple)
         for i in range(0, len(samples), micro_batch_size)
     ]
+
+
+def add_late_fields(mb: MicroBatch, late: dict[str, Any], start: int) -> None:
+    """Per-token fields of the micro-batch's samples given after collation, padded as `_collate` pads them:
+    `late[name](lo, hi)` -> the rows of samples [lo, hi) of the step, this micro-batch's being [start, start +
+    size). A field the micro-batch has is kept (a loss recomputed under activation checkpointing asks again)."""
+    for name, rows_of in late.items():
+        if name in mb.fields:
+            continue
+        rows = rows_of(start, start + mb.size)
+        sizes = [int(r.shape[0]) for r in rows]
+        if sizes != list(mb.response_lengths):
+            bad = next(i for i, (a, b) in enumerate(zip(sizes, mb.response_lengths)) if a != b)
+            raise ValueError(f"sample field {name!r} has {sizes[bad]} entries, response has "
+                             f"{mb.response_lengths[bad]}")
+        mb.fields[name] = pad_rows(rows, mb.targets.shape[1], 0.0, torch.float32).to(mb.tokens.device)

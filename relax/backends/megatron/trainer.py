@@ -13,6 +13,7 @@ import re
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from functools import partial
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, Iterator, Optional, Protocol, Sequence
 
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from relax.backends.megatron.arch import ModelArch, to_transformer_config
-from relax.backends.megatron.batching import MicroBatch, make_micro_batches
+from relax.backends.megatron.batching import MicroBatch, add_late_fields, make_micro_batches
 from relax.backends.megatron.checkpoint import (
     load_checkpoint,
     load_model_state,
@@ -614,9 +615,12 @@ class MegatronTrainer:
         temperature: float = 1.0,
         *,
         with_entropy: Optional[bool] = None,
+        late_fields: Optional[dict[str, Any]] = None,
     ) -> dict[str, float]:
         """One optimizer step on this rank's samples; returns metrics averaged over all ranks.
         With `value_head` (a critic) `loss_fn` receives the values [B, T] in place of log-probs (entropy None).
+        `late_fields`: per-token fields read when a micro-batch's loss needs them, after its forward pass (rows
+        still arriving, relax.roles.step_passes): see `add_late_fields`.
 
         Metrics: `loss` (the step's objective, see below), `grad_norm`, `lr` (used by this
         update; update k of a warm-up uses lr_init + (lr - lr_init) * k / warmup), `skipped`
@@ -645,6 +649,7 @@ class MegatronTrainer:
         if with_entropy is None:
             with_entropy = bool(getattr(loss_fn, "needs_entropy", False))
         micro_batches = self._micro_batches(samples, self.settings.max_tokens_per_micro_batch)
+        starts = dict(zip(map(id, micro_batches), accumulate([0] + [mb.size for mb in micro_batches])))
         dp_group = ps.get_data_parallel_group()
         shares = self._step_shares(micro_batches, dp_group)
         loss_weighting = getattr(loss_fn, "loss_weighting", "samples")
@@ -656,6 +661,8 @@ class MegatronTrainer:
         undo = len(micro_batches) * self.layout.dp
 
         def micro_batch_loss(mb: MicroBatch, logits: torch.Tensor):
+            if late_fields:
+                add_late_fields(mb, late_fields, starts[id(mb)])
             if self.settings.value_head:  # a critic: the loss function gets values [B, R] in place of log-probs
                 logprobs, entropy = self._response_values(logits, mb), None
             else:
