@@ -20,10 +20,14 @@ with Relax's own loss (`relax.training.objective.PolicyObjective`) and grad clip
 
 Phases (medians over steps, the first `--warmup` excluded):
   generate  relax: perf/rollout_generate_time (engine requests + reward); loop: generate + decode + reward
-  ref       relax: perf/ref_logprob_time;  loop: frozen-copy forward
-  train     relax: perf/train_compute_time (advantages, old log-probs, updates); loop: the same three
+  ref       relax: perf/ref_logprob_time (its reference process, from the stage's call to the last reference
+            rows, which arrive while the updates run: it overlaps `train`);  loop: frozen-copy forward
+  train     relax: perf/train_compute_time (advantages, the old log-probs the rank computes itself, updates; with
+            several updates per rollout the later updates' old log-probs come from the reference process on the
+            other core, relax/roles/step_passes.py); loop: advantages, old log-probs, updates
   sync      relax: perf/weight_sync_time;  loop: 0
-  other     step time minus the above (relax: Ray calls, data plane, metrics; loop: prompt sampling/encoding)
+  other     step time minus the above (relax: Ray calls, data plane, metrics, less the overlap of `ref`, so
+            negative; loop: prompt sampling/encoding)
 
 Threads: the loop defaults to what a Relax trainer actor gets (`relax.config.env.threads_per_process`: the cores
 less one, shared by the trainer ranks; 1 on a 2-core machine). On a loaded machine two OpenMP threads per process are far slower than one (measured on
