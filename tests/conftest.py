@@ -9,6 +9,10 @@ SHARED = ROOT.parent / "shared"
 os.environ.setdefault("TQ_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Each area's fixtures and helpers, in a module of its own: the Megatron trainer in this process, the embedded
+# engine, whole runs.
+pytest_plugins = ["megatron_fixtures", "engine_fixtures", "run_fixtures"]
+
 
 def relax_cli(*args: str, env: dict | None = None, timeout: float = 120):
     """Run `python -m relax.entrypoints.train ARGS` and return the CompletedProcess."""
@@ -106,6 +110,19 @@ def shared_tiny_model():
 @pytest.fixture
 def tiny_model():
     return str(shared_tiny_model())
+
+
+@pytest.fixture(scope="module")
+def model_dir(request, tmp_path_factory):
+    """The test module's model folder: the session's tiny model (read-only), or, where the module sets
+    `RANDOM_MODEL` (keyword arguments of relax.backends.megatron.testing.build_random_tiny_model: seed, sizes),
+    a random qwen2 model of its own, built once for the module."""
+    spec = getattr(request.module, "RANDOM_MODEL", None)
+    if spec is None:
+        return str(shared_tiny_model())
+    from relax.backends.megatron.testing import build_random_tiny_model
+
+    return build_random_tiny_model(tmp_path_factory.mktemp("m") / "qwen2", "qwen2", **spec)
 
 
 def run_steps(config, after_start=None) -> list[dict]:

@@ -9,15 +9,12 @@ from transformers import AutoConfig
 
 from relax.backends.megatron.arch import ModelArch, arch_for_run
 from relax.backends.megatron.hf_weights import load_hf_checkpoint_dir
-from relax.backends.megatron.testing import build_random_tiny_model, ensure_single_process, toy_pg_loss, toy_samples
+from relax.backends.megatron.testing import build_random_tiny_model, toy_pg_loss, toy_samples
 from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
 
 torch.set_num_threads(1)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _megatron():
-    ensure_single_process()
+pytestmark = pytest.mark.usefixtures("megatron_process")  # tests/megatron_fixtures.py
 
 
 def _inputs():

@@ -9,22 +9,15 @@ from conftest import shared_tiny_model
 
 from relax.backends.megatron.arch import ModelArch
 from relax.backends.megatron.offload import TrainerOffloader, rss_bytes
-from relax.backends.megatron.testing import build_random_tiny_model, ensure_single_process, toy_pg_loss, toy_samples
+from relax.backends.megatron.testing import toy_pg_loss, toy_samples
 from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
 
 torch.set_num_threads(1)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _megatron():
-    ensure_single_process()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    # big enough (tens of MB of params + Adam state) that freeing it shows in the resident set size
-    return build_random_tiny_model(tmp_path_factory.mktemp("off") / "qwen2", "qwen2", seed=2, hidden_size=384,
-                                   intermediate_size=1536, num_hidden_layers=4)
+pytestmark = pytest.mark.usefixtures("megatron_process")  # tests/megatron_fixtures.py
+# the model of `model_dir` (tests/conftest.py): big enough (tens of MB of params + Adam state) that freeing it shows
+# in the resident set size
+RANDOM_MODEL = dict(seed=2, hidden_size=384, intermediate_size=1536, num_hidden_layers=4)
 
 
 def _trainer(path):

@@ -12,14 +12,11 @@ from relax.backends.megatron.hf_weights import (
     split_qkv,
 )
 from relax.backends.megatron.model import build_gpt_model
-from relax.backends.megatron.testing import build_random_tiny_model, ensure_single_process
+from relax.backends.megatron.testing import build_random_tiny_model
 
 torch.set_num_threads(1)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _megatron():
-    ensure_single_process()
+pytestmark = pytest.mark.usefixtures("megatron_process")  # tests/megatron_fixtures.py
 
 
 def _load(path):

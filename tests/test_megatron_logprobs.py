@@ -4,14 +4,10 @@ import pytest
 import torch
 
 from relax.backends.megatron.logprobs import token_logprobs, vocab_parallel_entropy
-from relax.backends.megatron.testing import ensure_single_process
 
 torch.set_num_threads(1)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _megatron():
-    ensure_single_process()
+pytestmark = pytest.mark.usefixtures("megatron_process")  # tests/megatron_fixtures.py
 
 
 def _reference(logits, targets, temperature):

@@ -4,13 +4,7 @@ what Megatron's flags mean: dropout changes training passes only (log-prob passe
 import pytest
 import torch
 
-from relax.backends.megatron.testing import (
-    build_random_tiny_model,
-    ensure_single_process,
-    hf_trainer,
-    toy_pg_loss,
-    toy_samples,
-)
+from relax.backends.megatron.testing import hf_trainer, toy_pg_loss, toy_samples
 from relax.config import parse_config
 from relax.config.errors import ConfigError
 from relax.config.rules_recompute import te_available
@@ -18,6 +12,9 @@ from relax.config.support import unsupported_flags
 from relax.roles.megatron_settings import trainer_settings
 
 torch.set_num_threads(1)
+
+pytestmark = pytest.mark.usefixtures("megatron_process")  # tests/megatron_fixtures.py
+RANDOM_MODEL = dict(seed=13)  # the model of `model_dir` (tests/conftest.py)
 
 # What a Megatron launch script of an RL framework passes (its MISC_ARGS).
 SCRIPT_FLAGS = ["--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
@@ -67,16 +64,6 @@ def test_gpu_attention_kernels_fall_back_with_a_warning_without_transformer_engi
 def test_cpu_attention_backends_are_accepted(backend):
     config = _config("--attention-backend", backend)
     assert not unsupported_flags(config) and trainer_settings(config).attention_backend == backend
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _megatron():
-    ensure_single_process()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_random_tiny_model(tmp_path_factory.mktemp("m") / "qwen2", "qwen2", seed=13)
 
 
 def _trainer(path, **kw):

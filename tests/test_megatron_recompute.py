@@ -5,19 +5,16 @@ loss, gradients and weights as no recompute, and really recomputes (layers run a
 import pytest
 import torch
 
-from relax.backends.megatron.testing import (
-    build_random_tiny_model,
-    ensure_single_process,
-    hf_trainer,
-    toy_pg_loss,
-    toy_samples,
-)
+from relax.backends.megatron.testing import hf_trainer, toy_pg_loss, toy_samples
 from relax.config import parse_config
 from relax.config.errors import ConfigError
 from relax.config.support import unsupported_flags
 from relax.roles.megatron_settings import trainer_settings
 
 torch.set_num_threads(1)
+
+pytestmark = pytest.mark.usefixtures("megatron_process")  # tests/megatron_fixtures.py
+RANDOM_MODEL = dict(seed=11, num_hidden_layers=4)  # the model of `model_dir` (tests/conftest.py)
 
 SETTINGS = {
     "full uniform 1": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
@@ -76,16 +73,6 @@ def test_accepted_flags_reach_trainer_settings():
                                                                                  ("core_attn", "mlp"))
     s = trainer_settings(_config("--recompute-activations"))  # Megatron's shorthand
     assert s.recompute_granularity == "selective" and s.recompute_modules is None
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _megatron():
-    ensure_single_process()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_random_tiny_model(tmp_path_factory.mktemp("m") / "qwen2", "qwen2", seed=11, num_hidden_layers=4)
 
 
 def _step(path, **kw):

@@ -6,26 +6,12 @@ import pytest
 import torch
 
 from relax.backends.megatron.batching import make_micro_batches
-from relax.backends.megatron.testing import (
-    build_random_tiny_model,
-    ensure_single_process,
-    hf_response_logprobs,
-    hf_trainer,
-    toy_pg_loss,
-    toy_samples,
-)
+from relax.backends.megatron.testing import hf_response_logprobs, hf_trainer, toy_pg_loss, toy_samples
 
 torch.set_num_threads(1)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _megatron():
-    ensure_single_process()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_random_tiny_model(tmp_path_factory.mktemp("m") / "qwen2", "qwen2", seed=5)
+pytestmark = pytest.mark.usefixtures("megatron_process")  # tests/megatron_fixtures.py
+RANDOM_MODEL = dict(seed=5)  # the model of `model_dir` (tests/conftest.py)
 
 
 def _trainer(path, **kw):

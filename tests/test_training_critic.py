@@ -5,24 +5,17 @@ import dataclasses
 import pytest
 import torch
 
-from relax.backends.megatron.testing import build_random_tiny_model, ensure_single_process, hf_trainer
-from relax.config import parse_config
+from megatron_fixtures import toy_rl_samples, trainer_config
+
+from relax.backends.megatron.testing import hf_trainer
 from relax.config.errors import ConfigError
-from relax.data.sample import Sample
 from relax.training.advantages import compute_advantages_and_returns, trainer_inputs
 from relax.training.step import train_critic, train_rollout
 
 torch.set_num_threads(1)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _megatron():
-    ensure_single_process()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_random_tiny_model(tmp_path_factory.mktemp("m") / "qwen2", "qwen2", seed=3)
+pytestmark = pytest.mark.usefixtures("megatron_process")  # tests/megatron_fixtures.py
+RANDOM_MODEL = dict(seed=3)  # the model of `model_dir` (tests/conftest.py)
 
 
 def _trainer(path, **kw):
@@ -30,26 +23,10 @@ def _trainer(path, **kw):
 
 
 def _samples(n=6, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        plen, rlen = 3 + i % 4, 2 + (i * 5) % 7
-        mask = [1] * rlen
-        if rlen > 3:
-            mask[1] = 0  # e.g. a tool token inside the response
-        out.append(Sample(index=i, group_index=i // 3,
-                          prompt_tokens=torch.randint(0, 250, (plen,), generator=gen).tolist(),
-                          response_tokens=torch.randint(0, 250, (rlen,), generator=gen).tolist(),
-                          response_logprobs=(-torch.rand(rlen, generator=gen) * 3).tolist(), loss_mask=mask,
-                          reward=float(i % 2)))
-    return out
+    return toy_rl_samples(n, seed, tool_token=True)  # a tool token inside the longer responses
 
 
-def _config(*args):
-    # a model path keeps the embedded-default preset (no model and no data given) out of these configs
-    return parse_config(["--hf-checkpoint", "unused-model-dir", "--rollout-batch-size", "2", "--n-samples-per-prompt",
-                         "3", "--global-batch-size", "6",
-                         "--lr", "1e-3", *args])
+_config = trainer_config
 
 
 def _rand_rows(samples, seed, scale=1.0, negative=False):

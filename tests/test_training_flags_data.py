@@ -11,18 +11,20 @@ import types
 import pytest
 import torch
 
+from megatron_fixtures import toy_rl_samples, trainer_config
+
 from relax import algorithms as alg
 from relax.backends.megatron.arch import ModelArch
-from relax.backends.megatron.testing import build_random_tiny_model, ensure_single_process
 from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
-from relax.config import parse_config
 from relax.config.errors import ConfigError
 from relax.config.support import unsupported_flags
-from relax.data.sample import Sample
 from relax.training.advantages import compute_advantages_and_returns, pad_rows, response_mask
 from relax.training.step import train_rollout
 
 torch.set_num_threads(1)
+
+pytestmark = pytest.mark.usefixtures("megatron_process")  # tests/megatron_fixtures.py
+RANDOM_MODEL = dict(seed=3)  # the model of `model_dir` (tests/conftest.py)
 
 HOOKS = types.ModuleType("relax_test_training_flags_hooks")
 HOOKS.seen = []
@@ -61,37 +63,21 @@ sys.modules[HOOKS.__name__] = HOOKS
 H = HOOKS.__name__
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _megatron():
-    ensure_single_process()
-
-
 @pytest.fixture(scope="module")
-def trainer(tmp_path_factory):
+def trainer(model_dir):
     from transformers import AutoConfig
 
-    path = build_random_tiny_model(tmp_path_factory.mktemp("m") / "qwen2", "qwen2", seed=3)
-    t = MegatronTrainer(ModelArch.from_hf_config(AutoConfig.from_pretrained(path)),
+    t = MegatronTrainer(ModelArch.from_hf_config(AutoConfig.from_pretrained(model_dir)),
                         TrainerSettings(lr=1e-3, micro_batch_size=6, seed=7))
-    t.load_hf(path)
+    t.load_hf(model_dir)
     return t
 
 
 def _samples(n=6, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        plen, rlen = 3 + i % 4, 3 + (i * 5) % 6
-        out.append(Sample(index=i, group_index=i // 3, prompt_tokens=torch.randint(0, 250, (plen,), generator=gen).tolist(),
-                          response_tokens=torch.randint(0, 250, (rlen,), generator=gen).tolist(),
-                          response_logprobs=(-torch.rand(rlen, generator=gen) * 3).tolist(), loss_mask=[1] * rlen,
-                          reward=float(i % 2) + 0.25 * i))
-    return out
+    return toy_rl_samples(n, seed, min_response=3, response_spread=6, reward_step=0.25)
 
 
-def _config(*args):
-    return parse_config(["--hf-checkpoint", "unused-model-dir", "--rollout-batch-size", "2", "--n-samples-per-prompt",
-                         "3", "--global-batch-size", "6", "--lr", "1e-3", *args])
+_config = trainer_config
 
 
 def _run(trainer, *args):

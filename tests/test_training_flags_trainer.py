@@ -8,16 +8,19 @@ import types
 import pytest
 import torch
 
+from megatron_fixtures import toy_rl_samples, trainer_config
+
 from relax import algorithms as alg
-from relax.backends.megatron.testing import build_random_tiny_model, ensure_single_process, hf_trainer
-from relax.config import parse_config
-from relax.data.sample import Sample
+from relax.backends.megatron.testing import hf_trainer
 from relax.roles.megatron_settings import trainer_settings
 from relax.training.advantages import trainer_inputs
 from relax.training.objective import PolicyObjective
 from relax.training.step import train_rollout
 
 torch.set_num_threads(1)
+
+pytestmark = pytest.mark.usefixtures("megatron_process")  # tests/megatron_fixtures.py
+RANDOM_MODEL = dict(seed=3)  # the model of `model_dir` (tests/conftest.py)
 
 HOOKS = types.ModuleType("relax_test_training_flags_trainer_hooks")
 HOOKS.seen = []
@@ -32,35 +35,16 @@ HOOKS.capture_loss = _capture_loss
 sys.modules[HOOKS.__name__] = HOOKS
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _megatron():
-    ensure_single_process()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_random_tiny_model(tmp_path_factory.mktemp("m") / "qwen2", "qwen2", seed=3)
-
-
 def _trainer(path, **kw):
     return hf_trainer(path, **{"lr": 1e-2, "micro_batch_size": 6, "seed": 7, **kw})
 
 
 def _samples(n=6, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        plen, rlen = 3 + i % 4, 3 + (i * 5) % 6
-        out.append(Sample(index=i, group_index=i // 3, prompt_tokens=torch.randint(0, 250, (plen,), generator=gen).tolist(),
-                          response_tokens=torch.randint(0, 250, (rlen,), generator=gen).tolist(),
-                          response_logprobs=(-torch.rand(rlen, generator=gen) * 3).tolist(), loss_mask=[1] * rlen,
-                          reward=float(i % 2)))
-    return out
+    return toy_rl_samples(n, seed, min_response=3, response_spread=6)
 
 
 def _config(*args):
-    return parse_config(["--hf-checkpoint", "unused-model-dir", "--rollout-batch-size", "2", "--n-samples-per-prompt",
-                         "3", "--global-batch-size", "6", "--lr", "1e-2", *args])
+    return trainer_config(*args, lr="1e-2")
 
 
 def _capture_config(*args):

@@ -6,23 +6,16 @@ import dataclasses
 import pytest
 import torch
 
-from relax.backends.megatron.testing import build_random_tiny_model, ensure_single_process, hf_trainer, toy_samples
-from relax.config import parse_config
-from relax.data.sample import Sample
+from megatron_fixtures import toy_rl_samples, trainer_config
+
+from relax.backends.megatron.testing import hf_trainer, toy_samples
 from relax.training.objective import PolicyObjective
 from relax.training.step import train_rollout
 
 torch.set_num_threads(1)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _megatron():
-    ensure_single_process()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_random_tiny_model(tmp_path_factory.mktemp("m") / "qwen2", "qwen2", seed=3)
+pytestmark = pytest.mark.usefixtures("megatron_process")  # tests/megatron_fixtures.py
+RANDOM_MODEL = dict(seed=3)  # the model of `model_dir` (tests/conftest.py)
 
 
 def _trainer(path, **kw):
@@ -38,23 +31,8 @@ def _grads(trainer):
     return {k: v.main_grad.detach().clone() for k, v in trainer.gpt_model.named_parameters()}
 
 
-def _samples(n=6, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        plen, rlen = 3 + i % 4, 2 + (i * 5) % 7
-        out.append(Sample(index=i, group_index=i // 3, prompt_tokens=torch.randint(0, 250, (plen,), generator=gen).tolist(),
-                          response_tokens=torch.randint(0, 250, (rlen,), generator=gen).tolist(),
-                          response_logprobs=(-torch.rand(rlen, generator=gen) * 3).tolist(), loss_mask=[1] * rlen,
-                          reward=float(i % 2)))
-    return out
-
-
-def _config(*args):
-    # a model path keeps the embedded-default preset (no model and no data given) out of these configs
-    return parse_config(["--hf-checkpoint", "unused-model-dir", "--rollout-batch-size", "2", "--n-samples-per-prompt",
-                         "3", "--global-batch-size", "6",
-                         "--lr", "1e-3", *args])
+_samples = toy_rl_samples
+_config = trainer_config
 
 
 def test_kl_loss_metric_is_the_formula_under_the_real_model(model_dir):
