@@ -32,6 +32,9 @@ ROLLOUT_FEATURES: frozenset[str] = frozenset({
     # (relax.rollout.engine_pool; tests/test_engine_fault_tolerance.py, tests/test_engine_pool.py)
     "use_fault_tolerance", "rollout_health_check_interval", "rollout_health_check_timeout",
     "rollout_health_check_first_wait",
+    # the liveness watch of engines with requests in flight, on by default (relax.rollout.engine_watch,
+    # relax.rollout.liveness; tests/test_engine_liveness.py, tests/test_engine_liveness_e2e.py)
+    "engine_liveness_timeout",
     # the autoscaler: scale out and in through the engine pool from the engines' /metrics (relax.rollout.autoscaler,
     # relax.config.autoscaler; tests/test_autoscaler.py)
     "autoscaler_config", "scale_out_timeout", "scale_out_partial_success_policy", "scale_in_drain_timeout",

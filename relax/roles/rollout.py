@@ -47,6 +47,7 @@ from relax.rollout.buffer import build_data_source
 from relax.rollout.context import RolloutContext, RolloutOutput, load_hook
 from relax.rollout.debug_data import load_rollout_data, save_rollout_data
 from relax.rollout.engine_pool import EnginePool, HealthMonitor, stop_engines
+from relax.rollout.engine_watch import EngineWatcher
 from relax.rollout.evaluation import eval_sets, evaluate, passrate_metrics
 from relax.rollout.genrm.service import GenRMService
 from relax.rollout.fault_injection import EngineFault, arm, fault_from_env
@@ -148,6 +149,7 @@ class RolloutManager:
         self._data = None
         self.pool: EnginePool | None = None
         self.monitor: HealthMonitor | None = None
+        self.watcher: EngineWatcher | None = None  # --engine-liveness-timeout (relax.rollout.engine_watch)
         self.autoscaler: Autoscaler | None = None  # --autoscaler-config (relax.rollout.autoscaler)
         self.router = None
         self.genrm: GenRMService | None = None  # --genrm-model-path: the judge's own engines and router
@@ -210,6 +212,8 @@ class RolloutManager:
             self.monitor = HealthMonitor(self.pool, interval_s=c.rollout_health_check_interval,
                                          timeout_s=c.rollout_health_check_timeout,
                                          first_wait_s=c.rollout_health_check_first_wait).start()
+        if c.engine_liveness_timeout > 0:  # after the monitor: a silent engine goes its way when it runs
+            self.watcher = EngineWatcher(self.pool, c.engine_liveness_timeout).start()
         if c.autoscaler_config and not c.rollout_external:  # the file was validated before Ray
             cfg = load_autoscaler_config(c.autoscaler_config)
             if cfg.enabled:
@@ -458,7 +462,7 @@ class RolloutManager:
         bar = tqdm(total=c.rollout_batch_size * c.n_samples_per_prompt, desc=f"rollout {step}", leave=False,
                    mininterval=2.0, disable=not os.environ.get("RELAX_PROGRESS", "1") == "1")
         try:
-            out = self.rollout_fn(self._context(bar, c), step)
+            out = self._watched(lambda: self.rollout_fn(self._context(bar, c), step), f"rollout step {step}")
         finally:
             bar.close()
         groups, extra = (out.groups, dict(out.metrics)) if isinstance(out, RolloutOutput) else (out, {})
@@ -472,13 +476,18 @@ class RolloutManager:
                                 "of Sample")
         return groups, extra
 
+    def _watched(self, fn: Any, during: str) -> Any:
+        """`fn()`, the engines watched while it runs (--engine-liveness-timeout; raises EngineUnresponsive)."""
+        return self.watcher.run(fn, during) if self.watcher is not None else fn()
+
     def evaluate(self, step: int) -> dict[str, float]:
         """Metrics under `eval/<name>/...` for the configured evaluation sets."""
         c = self.config
         if self.router is None:
             raise RuntimeError("evaluation needs the rollout engines (not available with --debug-train-only)")
         t0 = time.perf_counter()
-        metrics, data = evaluate(self._context(), self.encoder, step, eval_sets(c))
+        metrics, data = self._watched(lambda: evaluate(self._context(), self.encoder, step, eval_sets(c)),
+                                      f"evaluation at step {step}")
         if self.eval_log_fn is not None:
             metrics.update(self.eval_log_fn(c, step, data, dict(metrics)) or {})
         metrics["perf/eval_time"] = time.perf_counter() - t0
@@ -504,6 +513,9 @@ class RolloutManager:
         if self.autoscaler is not None:  # no scaling while the pool stops
             self.autoscaler.stop(wait_s=min(8.0, float(self.config.engine_control_timeout)))
             self.autoscaler = None
+        if self.watcher is not None:  # no engine is named while the engines stop
+            self.watcher.stop()
+            self.watcher = None
         # within the controller's grace for this call (relax.core.deadlines: at most 10 s)
         stop_engines(self.monitor, self.router, self.pool, min(8.0, float(self.config.engine_control_timeout)))
         self.monitor = self.router = None

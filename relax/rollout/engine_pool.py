@@ -79,6 +79,16 @@ def _newer(version: str, than: Optional[str]) -> bool:
         return version != than
 
 
+def probe_engine(url: str, timeout_s: float) -> bool:
+    """One /health_generate probe of engine `url`: True when it answered 200 within `timeout_s`. The probe of the
+    health monitor here and of the liveness watch (relax.rollout.engine_watch)."""
+    client = EngineClient(url, timeout_s=timeout_s)
+    try:
+        return client.health_generate(timeout_s=timeout_s)
+    finally:
+        client.close()
+
+
 class EnginePool:
     """`make_actor(engine_id, placement) -> actor` starts an EngineActor (the rollout manager knows the
     backend, model, server flags and options); `new_placement() -> (group, bundle)` reserves room for one
@@ -581,15 +591,8 @@ class HealthMonitor:
         if not engines:
             return []
 
-        def probe(e: Engine) -> bool:
-            client = EngineClient(e.url, timeout_s=self.timeout_s)
-            try:
-                return client.health_generate(timeout_s=self.timeout_s)
-            finally:
-                client.close()
-
         with ThreadPoolExecutor(max_workers=len(engines)) as executor:
-            answers = list(executor.map(probe, engines))
+            answers = list(executor.map(lambda e: probe_engine(e.url, self.timeout_s), engines))
         failed = []
         for e, ok in zip(engines, answers):
             if not ok and not self.pool.released and not self.pool.pushing:

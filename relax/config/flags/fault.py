@@ -1,5 +1,18 @@
 """Fault tolerance and elastic scaling flags."""
 
+import argparse
+
+
+def seconds(value: str) -> float:
+    """A duration in seconds, >= 0 (0: off)."""
+    try:
+        out = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds (a number >= 0), got {value!r}") from None
+    if not out >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0 (0 switches it off), got {value!r}")
+    return out
+
 
 def add_flags(parser):
     g = parser.add_argument_group("Fault tolerance")
@@ -49,6 +62,13 @@ def add_flags(parser):
                    help="Seconds one generation request (/generate through the router) may take. A request that "
                         "has not answered by then is tried again twice; the third miss stops the run, naming the "
                         "sample, the router and any engine that no longer answers its health check.")
+    g.add_argument("--engine-liveness-timeout", type=seconds, default=60.0,
+                   help="Seconds a rollout engine may answer neither its requests nor a /health_generate probe "
+                        "(sent every few seconds while a rollout step or an evaluation has requests in flight) "
+                        "before it is named on the console as stopped or hung; then, without "
+                        "--use-fault-tolerance, the run stops (exit 1) naming the engine, its address and the step, "
+                        "and with it the engine is replaced. Separate from --generate-timeout, which must allow the "
+                        "longest generation. 0 switches the watch off.")
     g.add_argument("--weight-update-timeout", type=float, default=300.0,
                    help="Seconds each request of a weight push to an engine (one chunk of weights, the version "
                         "check) may take; past it the run stops naming the engine.")
