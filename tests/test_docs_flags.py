@@ -33,6 +33,15 @@ FOREIGN = {
     "--follow": "ray job logs",
     # benchmarks/estimator_table.py
     "--steps": "benchmarks/estimator_table.py", "--estimators": "benchmarks/estimator_table.py",
+    # the benchmark and example scripts docs/benchmarks.md runs (tests/test_readme_commands.py parses each
+    # command with its script's own options)
+    "--rounds": "benchmarks/plain_loop_bench.py", "--extra": "benchmarks/plain_loop_bench.py, async_bench.py",
+    "--chunks": "benchmarks/async_bench.py", "--model": "benchmarks/async_bench.py, examples/genrm/measure_judge.py",
+    "--data": "benchmarks/async_bench.py", "--warm-runs": "benchmarks/startup_bench.py",
+    "--only": "benchmarks/startup_bench.py", "--out": "benchmarks/seed_sweep.py",
+    "--prompts": "examples/genrm/measure_judge.py", "--n": "examples/genrm/measure_judge.py",
+    "--judge-len": "examples/genrm/measure_judge.py", "--template": "examples/genrm/measure_judge.py",
+    "--parser": "examples/genrm/measure_judge.py",
     # pip
     "--no-deps": "pip install",
     # SGLang's own server command (python -m sglang.launch_server), see docs/sglang-cpu.md
