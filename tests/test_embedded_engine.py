@@ -7,12 +7,9 @@ import time
 import pytest
 import torch
 
-from conftest import shared_tiny_model
-
 from relax.backends.embedded.engine import EmbeddedEngine, EngineError
 from relax.backends.embedded.sampling import SamplingParams
 from relax.backends.embedded.testing import (
-    load_reference_model,
     max_abs_diff,
     perturbed_state_dict,
     reference_greedy,
@@ -21,16 +18,6 @@ from relax.backends.embedded.testing import (
 )
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return str(shared_tiny_model())
-
-
-@pytest.fixture(scope="module")
-def ref(model_dir):
-    return load_reference_model(model_dir)
 
 
 @pytest.fixture()

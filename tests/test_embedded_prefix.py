@@ -8,35 +8,17 @@ import random
 import pytest
 import torch
 
-from conftest import shared_tiny_model
-
 from relax.backends.embedded.engine import EmbeddedEngine, EngineError
 from relax.backends.embedded.requests import _fast_backend, text_decoder
 from relax.backends.embedded.sampling import SamplingParams
 from relax.backends.embedded.server import build_requests
-from relax.backends.embedded.testing import (
-    load_reference_model,
-    max_abs_diff,
-    reference_greedy,
-    reference_logprobs,
-    response_logprobs,
-)
+from relax.backends.embedded.testing import max_abs_diff, reference_greedy, reference_logprobs, response_logprobs
 
 torch.set_num_threads(1)
 
 P = [5, 6, 7, 8, 9, 10, 11, 12, 13]
 Q = [20, 21, 22, 23, 24]
 R = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51]
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return str(shared_tiny_model())
-
-
-@pytest.fixture(scope="module")
-def ref(model_dir):
-    return load_reference_model(model_dir)
 
 
 def _engine(model_dir, share: bool) -> EmbeddedEngine:

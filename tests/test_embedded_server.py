@@ -7,29 +7,11 @@ import time
 import pytest
 import requests
 
-from conftest import shared_tiny_model
-
 from relax.backends.embedded.launcher import EmbeddedServerProcess
-from relax.backends.embedded.testing import (
-    load_reference_model,
-    max_abs_diff,
-    reference_greedy,
-    reference_logprobs,
-    response_logprobs,
-)
+from relax.backends.embedded.testing import max_abs_diff, reference_greedy, reference_logprobs, response_logprobs
 from relax.backends.engine_client import EngineClient, EngineRequestError
 
 T = 30  # seconds, per HTTP call
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return str(shared_tiny_model())
-
-
-@pytest.fixture(scope="module")
-def ref(model_dir):
-    return load_reference_model(model_dir)
 
 
 @pytest.fixture(scope="module")

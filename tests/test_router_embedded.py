@@ -5,19 +5,12 @@ import os
 import pytest
 import requests
 
-from conftest import shared_tiny_model
-
 from relax.backends.embedded.launcher import EmbeddedServerProcess
 from relax.backends.embedded.testing import load_reference_model, perturbed_state_dict, reference_greedy
 from relax.backends.engine_client import EngineClient, update_weights_from_tensor_many
 from relax.backends.sglang.router import RouterError, RouterProcess
 
 T = 30
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return str(shared_tiny_model())
 
 
 @pytest.fixture(scope="module")

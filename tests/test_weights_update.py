@@ -9,9 +9,6 @@ import pickle
 import pytest
 import torch
 
-from conftest import shared_tiny_model
-
-from relax.backends.embedded.launcher import EmbeddedServerProcess
 from relax.backends.embedded.testing import (
     load_reference_model,
     max_abs_diff,
@@ -33,22 +30,6 @@ from relax.weights.serialize import (
 
 T = 60
 PROMPT = [12, 34, 56, 78, 90, 11]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return str(shared_tiny_model())
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    proc = EmbeddedServerProcess(model_dir, server_args={"random_seed": 0})
-    proc.start()
-    try:
-        proc.wait_healthy(90)
-        yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")

@@ -20,12 +20,11 @@ import pytest
 import requests
 import torch
 
-from conftest import shared_tiny_model
+from engine_fixtures import reference_with
 
 from relax.backends.embedded import shared_weights
 from relax.backends.embedded.weight_names import expert_aliases
 from relax.backends.embedded.engine import EmbeddedEngine, EngineError
-from relax.backends.embedded.launcher import EmbeddedServerProcess
 from relax.backends.embedded.sampling import SamplingParams
 from relax.backends.embedded.testing import (
     load_reference_model,
@@ -117,11 +116,6 @@ def test_segment_of_a_killed_sender_is_swept(tmp_path):
 
 
 # ------------------------------------------------------------------------------- engine in this process
-@pytest.fixture(scope="module")
-def model_dir():
-    return str(shared_tiny_model())
-
-
 @pytest.fixture()
 def engine(model_dir):
     eng = EmbeddedEngine(model_dir, random_seed=0).start()
@@ -296,24 +290,7 @@ def test_offloaded_weights_refuse_and_resume_rebinds(model_dir):
 
 
 # ------------------------------------------------------------------------------- over HTTP
-@pytest.fixture(scope="module")
-def server(model_dir):
-    proc = EmbeddedServerProcess(model_dir, server_args={"random_seed": 0, "update_waits_for_requests": True})
-    proc.start()
-    try:
-        proc.wait_healthy(120)
-        yield proc
-    finally:
-        proc.stop()
-
-
-def _reference_with(model_dir, named):
-    ref = load_reference_model(model_dir)
-    sd = dict(named)
-    with torch.no_grad():
-        for n, p in ref.named_parameters():
-            p.copy_(sd[n])
-    return ref
+SERVER_ARGS = {"update_waits_for_requests": True}  # the module's `server` (tests/engine_fixtures.py)
 
 
 def test_tensor_sync_binds_checks_every_tensor_and_removes_its_segment(server, model_dir):
@@ -336,7 +313,7 @@ def test_tensor_sync_binds_checks_every_tensor_and_removes_its_segment(server, m
         assert sync.bound.segment is None and not os.path.exists(paths[0])
         assert client.get_weight_version() == "bind-2"
         r = client.generate(PROMPT, {"temperature": 0.8, "max_new_tokens": 8, "ignore_eos": True}, return_logprob=True)
-        ref = _reference_with(model_dir, named)  # served from the removed file's pages, still mapped
+        ref = reference_with(model_dir, named)  # served from the removed file's pages, still mapped
         assert max_abs_diff(response_logprobs(r), reference_logprobs(ref, PROMPT, r["output_ids"], 0.8)) <= 1e-5
         sync.push(named, "after-bad")
         paths.append(sync.bound.segment.path)
@@ -367,7 +344,7 @@ def test_push_during_generation_waits_and_keeps_the_request_on_one_version(serve
         assert sync.last_mode == "bind"
     r = out["r"]
     assert r["meta_info"]["weight_version"] == "w1" and client.get_weight_version() == "w2"
-    ref = _reference_with(model_dir, w1)
+    ref = reference_with(model_dir, w1)
     assert max_abs_diff(response_logprobs(r), reference_logprobs(ref, PROMPT, r["output_ids"], 0.8)) <= 1e-5
     client.close()
 

@@ -7,18 +7,10 @@ from __future__ import annotations
 import socket
 
 import pytest
-import torch
 
-from conftest import shared_tiny_model
+from engine_fixtures import assert_engine_serves
 
-from relax.backends.embedded.launcher import EmbeddedServerProcess
-from relax.backends.embedded.testing import (
-    load_reference_model,
-    max_abs_diff,
-    perturbed_state_dict,
-    reference_logprobs,
-    response_logprobs,
-)
+from relax.backends.embedded.testing import load_reference_model, perturbed_state_dict
 from relax.backends.engine_client import EngineClient
 from relax.weights.sync import (
     WeightSyncError,
@@ -27,40 +19,12 @@ from relax.weights.sync import (
     push_named_tensors,
 )
 
-PROMPT = [12, 34, 56, 78, 90, 11]
-
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return str(shared_tiny_model())
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    proc = EmbeddedServerProcess(model_dir, server_args={"random_seed": 0})
-    proc.start()
-    try:
-        proc.wait_healthy(120)
-        yield proc
-    finally:
-        close_all()
-        proc.stop()
-
-
-def _serves(url, model_dir, named, version):
-    ref = load_reference_model(model_dir)
-    sd = dict(named)
-    with torch.no_grad():
-        for n, p in ref.named_parameters():
-            p.copy_(sd[n])
-    client = EngineClient(url, timeout_s=60)
-    try:
-        r = client.generate(PROMPT, {"temperature": 0.8, "max_new_tokens": 8, "ignore_eos": True},
-                            return_logprob=True)
-    finally:
-        client.close()
-    assert r["meta_info"]["weight_version"] == str(version)
-    assert max_abs_diff(response_logprobs(r), reference_logprobs(ref, PROMPT, r["output_ids"], 0.8)) <= 1e-5
+def server(server):
+    """The embedded engine server of tests/engine_fixtures.py; the weight syncs' groups closed before it stops."""
+    yield server
+    close_all()
 
 
 @pytest.mark.parametrize("method", ["tensor", "disk", "distributed"])
@@ -74,7 +38,7 @@ def test_each_path_updates_versions_and_verifies(server, model_dir, method):
             report = sync.push(named, version)
             assert report["method"] == method and report["engines"] == 1
             assert report["bytes"] == sum(t.numel() * t.element_size() for _, t in named)
-            _serves(server.url, model_dir, named, version)
+            assert_engine_serves(server.url, model_dir, named, version)
 
 
 def test_push_named_tensors_delegates_and_check_equal_catches_differences(server, model_dir):

@@ -13,21 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from conftest import shared_tiny_model
+from engine_fixtures import assert_engine_serves
 
-from relax.backends.embedded.launcher import EmbeddedServerProcess
-from relax.backends.embedded.testing import (
-    load_reference_model,
-    max_abs_diff,
-    perturbed_state_dict,
-    reference_logprobs,
-    response_logprobs,
-)
+from relax.backends.embedded.testing import load_reference_model, perturbed_state_dict
 from relax.backends.engine_client import EngineClient
 from relax.weights import shm
 from relax.weights.sync import TensorSync, WeightSyncError, make_weight_sync
-
-PROMPT = [12, 34, 56, 78, 90, 11]
 
 
 def _tensors(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
@@ -155,38 +146,6 @@ def test_reader_refuses_foreign_files_and_out_of_range_pieces(tmp_path):
 
 
 # ------------------------------------------------------------------------- against a real engine
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return str(shared_tiny_model())
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    proc = EmbeddedServerProcess(model_dir, server_args={"random_seed": 0})
-    proc.start()
-    try:
-        proc.wait_healthy(120)
-        yield proc
-    finally:
-        proc.stop()
-
-
-def _serves(url, model_dir, named, version):
-    ref = load_reference_model(model_dir)
-    sd = dict(named)
-    with torch.no_grad():
-        for n, p in ref.named_parameters():
-            p.copy_(sd[n])
-    client = EngineClient(url, timeout_s=60)
-    try:
-        r = client.generate(PROMPT, {"temperature": 0.8, "max_new_tokens": 8, "ignore_eos": True},
-                            return_logprob=True)
-    finally:
-        client.close()
-    assert r["meta_info"]["weight_version"] == str(version)
-    assert max_abs_diff(response_logprobs(r), reference_logprobs(ref, PROMPT, r["output_ids"], 0.8)) <= 1e-5
-
-
 def test_tensor_sync_uses_one_reused_segment_and_the_engine_serves_the_new_weights(server, model_dir):
     base = load_reference_model(model_dir)
     sync = make_weight_sync("tensor", [server.url], buffer_bytes=64 << 10, timeout_s=60, check_equal=True,
@@ -201,7 +160,7 @@ def test_tensor_sync_uses_one_reused_segment_and_the_engine_serves_the_new_weigh
             assert sync.last_chunks > 2  # 64 KiB budget: many chunks, big tensors split
             paths.append(sync.segment.path)
             assert report["bytes"] == sum(t.numel() * t.element_size() for _, t in named)
-            _serves(server.url, model_dir, named, f"shm-{i}")
+            assert_engine_serves(server.url, model_dir, named, f"shm-{i}")
         assert paths[0] == paths[1] and os.path.exists(paths[0])
     finally:
         sync.close()
