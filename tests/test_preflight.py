@@ -23,7 +23,7 @@ def _config(tmp_path, model, prompts, *extra):
     path.write_text(prompts)
     return parse_config(["--hf-checkpoint", model, "--prompt-data", str(path), "--input-key", "input",
                          "--rollout-batch-size", "2", "--num-rollout", "1", "--output-dir", str(tmp_path / "out"),
-                         *extra])
+                         "--rm-type", "exact_match", *extra])
 
 
 GOOD = '{"input": "1+1=", "label": "2"}\n{"input": "2+2=", "label": "4"}\n'

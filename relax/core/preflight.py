@@ -6,8 +6,13 @@ readers that training uses, so that both agree on what a bad row is) is checked 
 
 - the model folder (`--hf-checkpoint`): exists, holds a parseable `config.json` and a tokenizer;
 - prompt files (`--prompt-data`, the evaluation sets): are not empty, and their rows parse with the keys
-  they are read with — every row when the file is small, the first `SCAN_ROWS` otherwise. Rows without a
-  label and fewer distinct prompts than `--rollout-batch-size` are reported as warnings. (That the files
+  they are read with — every row when the file is small, the first `SCAN_ROWS` otherwise. Each row is also
+  checked against the flags with the checks the rollout itself runs on it (`relax.data.row_checks`, see
+  `row_check`): its prompt against --apply-chat-template, its --multimodal-keys values, its reward type
+  (--rm-type or metadata.rm_type) and its label against that reward; a mismatch names file:line, the flag
+  and the fix (--skip-bad-lines does not skip it: training would fail on it). Rows without a
+  label and fewer distinct prompts than `--rollout-batch-size` are reported as warnings (the embedded
+  default's own task repeats its 10 prompts by design: one INFO line). (That the files
   exist is checked with the flags, in `relax.config.validate.check_data` and `relax.config.eval_sets`.);
 - checkpoints (`--load`, `--ref-load`, `--critic-load`): a path that does not exist is an error (a typo),
   except `--load` equal to `--save`, the resume-or-start pattern of launch scripts, which starts fresh
@@ -23,7 +28,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from relax.config.errors import ConfigError
 from relax.backends.megatron.checkpoint_layout import (
@@ -38,7 +43,9 @@ from relax.backends.megatron.checkpoint_layout import (
     select_iteration,
 )
 from relax.config.eval_sets import eval_sets, reader_keys
-from relax.data.prompt_files import PromptDataError, scan_prompt_file
+from relax.data.prompt_files import PromptDataError, PromptRecord, RowFlagError, scan_prompt_file
+from relax.data.row_checks import (RowProblem, multimodal_problem, prompt_problem, resolve_rm_type,
+                                   reward_label_problem, rm_type_problem)
 from relax.data.replay_record import first_file
 
 logger = logging.getLogger("relax")
@@ -55,10 +62,12 @@ def preflight(config: Any) -> list[str]:
     if config.prompt_data:
         notes += check_prompt_file(config, "--prompt-data", config.prompt_data, config.rollout_batch_size,
                                    input_key=config.input_key, label_key=config.label_key,
-                                   metadata_key=config.metadata_key, tool_key=config.tool_key)
+                                   metadata_key=config.metadata_key, tool_key=config.tool_key,
+                                   check=row_check(config, config.rm_type, config.custom_rm_path))
     eval_flag = "--eval-config" if config.eval_config else "--eval-prompt-data"
     for es in eval_sets(config):
-        notes += check_prompt_file(config, f"{eval_flag} {es.name}", es.path, None, **reader_keys(es))
+        notes += check_prompt_file(config, f"{eval_flag} {es.name}", es.path, None, **reader_keys(es),
+                                   check=row_check(config, es.rm_type, es.custom_rm_path))
     notes += check_load(config)
     notes += check_pretrained(config)
     for flag, path in (("--ref-load", config.ref_load), ("--critic-load", config.critic_load)):
@@ -89,9 +98,35 @@ def check_model_folder(path: Optional[str]) -> None:
                           "copy the tokenizer files next to the weights")
 
 
+def row_check(config: Any, rm_type: Optional[str],
+              custom_rm_path: Optional[str]) -> Callable[[PromptRecord], Optional[RowProblem]]:
+    """The rollout's own checks of a row against the flags (`relax.data.row_checks`): the prompt as
+    `relax.rollout.prompts` renders it, the --multimodal-keys values as `relax.rollout.multimodal` sends them, and,
+    when the default rollout scores with a built-in reward (no custom reward or rollout function), the reward type
+    as `relax.rollout.rewards.registry` resolves it and the label as `relax.rollout.rewards.builtin` reads it."""
+    chat = bool(config.apply_chat_template)
+    defaults = config.meta.get("defaults") or {}
+    default_rollout = config.get("rollout_function_path") == defaults.get("rollout_function_path",
+                                                                          config.get("rollout_function_path"))
+    scored = not custom_rm_path and default_rollout and not config.get("load_debug_rollout_data")
+
+    def check(rec: PromptRecord) -> Optional[RowProblem]:
+        problem = prompt_problem(rec.prompt, chat)
+        for modality, value in (rec.multimodal or {}).items():
+            problem = problem or multimodal_problem(modality, value)
+        if scored and problem is None:
+            problem = rm_type_problem(rm_type, rec.metadata) or \
+                reward_label_problem(resolve_rm_type(rm_type, rec.metadata), rec.label)
+        return problem
+
+    return check
+
+
 def check_prompt_file(config: Any, flag: str, path: str, rollout_batch_size: Optional[int], *, input_key: str,
-                      label_key: Optional[str], metadata_key: Optional[str], tool_key: Optional[str]) -> list[str]:
-    """Rows of an existing prompt file, read as training or evaluation reads them (the keys given)."""
+                      label_key: Optional[str], metadata_key: Optional[str], tool_key: Optional[str],
+                      check: Optional[Callable[[PromptRecord], Optional[RowProblem]]] = None) -> list[str]:
+    """Rows of an existing prompt file, read as training or evaluation reads them (the keys given), each checked
+    with `check` (`row_check`)."""
     size = Path(path).stat().st_size
     if size == 0:
         raise ConfigError(f"{flag}: {path} is empty")
@@ -99,7 +134,10 @@ def check_prompt_file(config: Any, flag: str, path: str, rollout_batch_size: Opt
     try:
         counts = scan_prompt_file(path, input_key=input_key, label_key=label_key, metadata_key=metadata_key,
                                   tool_key=tool_key, skip_bad_lines=bool(config.skip_bad_lines),
-                                  multimodal_keys=config.multimodal_keys, max_rows=None if full else SCAN_ROWS)
+                                  multimodal_keys=config.multimodal_keys, max_rows=None if full else SCAN_ROWS,
+                                  check=check)
+    except RowFlagError as exc:
+        raise ConfigError(f"{flag}: {exc}") from None
     except PromptDataError as exc:
         raise ConfigError(f"{flag}: {exc} (fix the row, or add --skip-bad-lines to skip and count bad rows)") \
             from None
@@ -113,9 +151,18 @@ def check_prompt_file(config: Any, flag: str, path: str, rollout_batch_size: Opt
         notes.append(f"{flag}: {counts['missing_label']} of {counts['rows']} rows{read} of {path} have no "
                      f"{label_key!r} key; rewards that compare with a label score them 0")
     if rollout_batch_size and counts["complete"] and counts["distinct_prompts"] < rollout_batch_size:
-        notes.append(f"{flag}: {path} has {counts['distinct_prompts']} distinct prompt(s), fewer than "
-                     f"--rollout-batch-size {rollout_batch_size}: every step repeats prompts")
+        if _embedded_task(config, path):  # the preset's own choice: a fact, not something to act on
+            logger.info("embedded default: the task has %d distinct prompts, so each step's %d prompts repeat "
+                        "them", counts["distinct_prompts"], rollout_batch_size)
+        else:
+            notes.append(f"{flag}: {path} has {counts['distinct_prompts']} distinct prompt(s), fewer than "
+                         f"--rollout-batch-size {rollout_batch_size}: every step repeats prompts")
     return notes
+
+
+def _embedded_task(config: Any, path: str) -> bool:
+    """`path` is the embedded default's task file, written by the preset (`relax.config.presets`)."""
+    return bool(config.meta.get("embedded_default")) and path == config.prompt_data
 
 
 def check_load(config: Any) -> list[str]:

@@ -14,9 +14,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Union
 
+from relax.data.row_checks import messages_problem
+
 __all__ = [
     "PromptRecord",
     "PromptDataError",
+    "RowFlagError",
     "PromptReader",
     "Cursor",
     "prompt_keys",
@@ -30,6 +33,11 @@ logger = logging.getLogger("relax.rollout.data_source")
 
 class PromptDataError(ValueError):
     """A prompt file or row is unusable; the message names the file and line/row."""
+
+
+class RowFlagError(PromptDataError):
+    """A row that parses but disagrees with the flags (`relax.data.row_checks`): --skip-bad-lines does not skip it
+    (training would not), the flag must change or the row."""
 
 
 @dataclass(frozen=True)
@@ -109,8 +117,9 @@ def _row_to_record(row: Any, index: int, keys: _Keys) -> PromptRecord:
     if isinstance(prompt, tuple):
         prompt = list(prompt)
     if isinstance(prompt, list):
-        if not all(isinstance(m, dict) for m in prompt):
-            raise _BadRow(f"input key {keys.input_key!r}: a list prompt must hold message objects")
+        bad = messages_problem(prompt)
+        if bad:
+            raise _BadRow(f"input key {keys.input_key!r}: {bad}")
     elif not isinstance(prompt, str):
         raise _BadRow(f"input key {keys.input_key!r} must be a string or a list of messages, got {type(prompt).__name__}")
     label = _lookup(row, keys.label_key)
@@ -251,25 +260,33 @@ def scan_prompt_file(
     skip_bad_lines: bool = False,
     multimodal_keys: Optional[dict] = None,
     max_rows: Optional[int] = None,
+    check: Optional[Callable[[PromptRecord], Any]] = None,
 ) -> dict:
     """Read up to `max_rows` rows as training would (same parser, same bad-row policy) and count what
     matters before a run starts: ``{"rows", "bad_lines", "missing_label", "distinct_prompts",
     "complete"}`` (`complete`: the whole file was read). A bad row raises `PromptDataError` naming
-    file:line unless `skip_bad_lines`."""
+    file:line unless `skip_bad_lines`; then the first record for which `check` returns a problem (not None)
+    raises `RowFlagError` naming file:line and the problem, whatever `skip_bad_lines` says."""
     reader = PromptReader(path, prompt_keys(input_key, label_key, metadata_key, tool_key, multimodal_keys), skip_bad_lines, None)
     counts = {"rows": 0, "bad_lines": 0, "missing_label": 0, "complete": True}
     prompts: set[str] = set()
+    first_problem: Optional[str] = None
 
     def bad(_: int) -> None:
         counts["bad_lines"] += 1
 
-    for rec, _ in reader.iter_from(Cursor(), bad, lambda _: None):
+    for rec, cur in reader.iter_from(Cursor(), bad, lambda _: None):
         if max_rows is not None and counts["rows"] >= max_rows:
             counts["complete"] = False
             break
+        problem = check(rec) if check is not None and first_problem is None else None
+        if problem is not None:
+            first_problem = f"{_where(reader.path, reader.fmt, cur.lineno)}: {problem}"
         counts["rows"] += 1
         counts["missing_label"] += int(label_key is not None and rec.label is None)
         prompts.add(json.dumps(rec.prompt, sort_keys=True) if not isinstance(rec.prompt, str) else rec.prompt)
+    if first_problem is not None:  # after the scan: a row that does not parse is named first
+        raise RowFlagError(first_problem)
     counts["distinct_prompts"] = len(prompts)
     return counts
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Optional, Sequence, Union
 
+from relax.data.row_checks import prompt_problem
+
 __all__ = ["render_prompt", "encode_prompt", "PromptEncoder"]
 
 Prompt = Union[str, Sequence[dict]]
@@ -48,15 +50,13 @@ def render_prompt(
 ) -> str:
     """The prompt text (see module doc). ``prompt`` may be a ``PromptRecord``."""
     prompt, tools = _prompt_and_tools(prompt, tools)
+    problem = prompt_problem(prompt, apply_chat_template)  # the preflight runs the same check on every row
+    if problem:
+        raise TypeError(str(problem))
     if apply_chat_template:
         if tokenizer is None:
             raise ValueError("apply_chat_template=True needs a tokenizer")
-        if isinstance(prompt, str):
-            messages = [{"role": "user", "content": prompt}]
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt):
-            messages = [dict(m) for m in prompt]
-        else:
-            raise TypeError(f"prompt must be a string or a list of message dicts, got {type(prompt).__name__}")
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
         if system_prompt and not (messages and messages[0].get("role") == "system"):
             messages.insert(0, {"role": "system", "content": system_prompt})
         kwargs = {"add_generation_prompt": True}
@@ -67,11 +67,6 @@ def render_prompt(
         if not isinstance(text, str):
             raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, expected str")
         return text
-    if not isinstance(prompt, str):
-        raise TypeError(
-            "a message-list prompt needs the chat template (apply_chat_template=True); "
-            f"got {type(prompt).__name__}"
-        )
     if system_prompt:
         return f"{system_prompt}{system_separator}{prompt}"
     return prompt

@@ -1,7 +1,8 @@
 """Built-in reward functions: ``fn(response: str, label, metadata: dict) -> float``.
 
 Labels may be a single value or a list/tuple of acceptable values (any match
-counts) for every function here.
+counts) for every function here. The functions that compare with the label refuse one they cannot read (a dict,
+say) with a TypeError: `relax.data.row_checks.label_problem`, which the preflight runs on every row.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import string
 from collections import Counter
 from typing import Any, Optional
 
+from relax.data.row_checks import label_problem
 from relax.rollout.rewards.math_grader import (
     extract_boxed,
     extract_math_answer,
@@ -34,7 +36,14 @@ __all__ = [
 ]
 
 
+def _check_label(label: Any) -> None:
+    problem = label_problem(label)
+    if problem:
+        raise TypeError(problem)
+
+
 def _labels(label: Any) -> list:
+    _check_label(label)
     if isinstance(label, (list, tuple)):
         return list(label)
     return [label]
@@ -66,6 +75,7 @@ def math_reward(response: str, label: Any, metadata: Optional[dict] = None) -> f
     the last "answer is"/"Answer:", else the last number. A label written as
     ``\\boxed{...}`` is unwrapped.
     """
+    _check_label(label)
     pred = extract_math_answer(strip_thinking(str(response)))
     if pred is None:
         return 0.0
@@ -81,6 +91,7 @@ def dapo_reward(response: str, label: Any, metadata: Optional[dict] = None) -> f
     Only the tail of the response is searched (``metadata["dapo_tail_chars"]``,
     default 300 characters, as DAPO does); answers are compared with ``is_equiv``.
     """
+    _check_label(label)
     metadata = metadata or {}
     tail_chars = int(metadata.get("dapo_tail_chars", 300) or 0)
     text = strip_thinking(str(response))

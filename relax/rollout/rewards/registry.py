@@ -1,4 +1,5 @@
-"""Reward registry: ``get_reward_fn(rm_type)`` and per-sample ``rm_type`` resolution.
+"""Reward registry: ``get_reward_fn(rm_type)`` and per-sample ``rm_type`` resolution (``resolve_rm_type``, defined
+with the other row checks in `relax.data.row_checks`: the preflight runs it on every row).
 
 A reward function is ``fn(response: str, label, metadata: dict) -> float | dict``;
 it may be a coroutine function, or an object with an ``acall`` coroutine method
@@ -13,6 +14,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Optional
 
+from relax.data.row_checks import BOXED_PREFIX, resolve_rm_type
 from relax.rollout.rewards import builtin
 from relax.rollout.rewards.math_grader import extract_boxed
 from relax.rollout.rewards.remote import RemoteRewardModel
@@ -31,7 +33,6 @@ __all__ = [
 ]
 
 RewardFn = Callable[[str, Any, dict], Any]
-BOXED_PREFIX = "boxed_"
 
 # name -> factory(**options) -> reward fn
 _FACTORIES: dict[str, Callable[..., RewardFn]] = {}
@@ -122,15 +123,6 @@ def get_reward_fn(rm_type: str, **options: Any) -> RewardFn:
             f"(and {BOXED_PREFIX}<type>), or pass a custom reward function path"
         )
     return factory(**options)
-
-
-def resolve_rm_type(flag_value: Optional[str], metadata: Optional[dict]) -> str:
-    """``metadata["rm_type"]`` when set (per-sample override), else the flag value."""
-    per_sample = (metadata or {}).get("rm_type")
-    rm_type = per_sample or flag_value
-    if not rm_type:
-        raise ValueError("no reward type: set --rm-type (or a custom reward path) or metadata['rm_type']")
-    return str(rm_type)
 
 
 def call_mode(rm_type: str) -> str:
