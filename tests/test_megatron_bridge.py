@@ -20,19 +20,29 @@ def _argv(tmp_path, *extra):
 
 @pytest.mark.skipif(B.bridge_unavailable_reason() is None, reason="Megatron-Bridge imports here")
 def test_bridge_mode_is_refused_before_a_run_naming_the_flag_and_the_package(tmp_path):
+    from relax.config.explain import explain
     from relax.config.parser import parse_config
-    from relax.config.support import unsupported_flags
+    from relax.config.support import require_supported, unsupported_flags
 
     argv = _argv(tmp_path)
     assert parse_config(argv).megatron_to_hf_mode == "raw"
     assert unsupported_flags(parse_config(argv + ["--megatron-to-hf-mode", "raw"])) == []
-    # the trainer does not convert through Megatron-Bridge yet: a real run stops before Ray, --dry-run lists it
+    # no Megatron-Bridge release installs beside transformers 5: a real run stops before Ray naming the conflict
+    # (releases, pins) and the fix; --dry-run lists it with the same reason
     bridge = parse_config(argv + ["--megatron-to-hf-mode", "bridge"])
-    assert "--megatron-to-hf-mode bridge" in unsupported_flags(bridge)
+    (refused,) = unsupported_flags(bridge)
+    assert refused.startswith("--megatron-to-hf-mode bridge (a dependency conflict: Megatron-Bridge (PyPI "
+                              "megatron-bridge 0.3.0 and 0.3.1, every release) requires transformers<5.0.0")
+    with pytest.raises(ConfigError) as exc:
+        require_supported(bridge)
+    msg = str(exc.value)
+    assert msg.startswith("refused: --megatron-to-hf-mode bridge") and "not supported yet" not in msg
+    assert "transformer-engine[core_cu13,pytorch]<2.13" in msg and "use --megatron-to-hf-mode raw" in msg
+    assert "--megatron-to-hf-mode bridge (a dependency conflict" in explain(bridge)
     if B.bridge_unavailable_reason():
-        with pytest.raises(ConfigError, match=r"--megatron-to-hf-mode bridge.*megatron.bridge.*pip install megatron-bridge"):
+        with pytest.raises(ConfigError, match=r"--megatron-to-hf-mode bridge.*megatron.bridge.*transformers<5.0.0"):
             B.check_bridge_mode(bridge.to_dict())
-    with pytest.raises(RuntimeError, match="pip install megatron-bridge"):
+    with pytest.raises(RuntimeError, match="pip install megatron-bridge cannot keep Relax's pins"):
         B.make_converter("bridge", None, str(tmp_path / "m"))
     with pytest.raises(ValueError, match="unknown --megatron-to-hf-mode"):
         B.make_converter("auto")

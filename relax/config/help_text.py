@@ -18,6 +18,7 @@ from relax.config.megatron_options import OPTION_HELP
 from relax.config.presets import EMBEDDED_PRESET, PRESET_NOTES
 from relax.config.rules_arch import ARCH_FLAG_HELP
 from relax.config.support import IMPLEMENTED, SUPPORTED_VALUES, is_sglang_server_flag, same_value
+from relax.config.support_deps import DEPENDENCY_REFUSALS
 from relax.config.support_gpu import GPU_ONLY_OPTION_REASONS
 from relax.config.support_megatron import NO_EFFECT_REASONS
 from relax.config.validate import DERIVED_FROM
@@ -211,6 +212,8 @@ def describe_flags(parser: argparse.ArgumentParser, megatron_dests: frozenset[st
             built = sorted(str(v) for v in SUPPORTED_VALUES[dest])
             if set(built) != {str(c) for c in action.choices}:
                 action.help = f"{(action.help or '').rstrip()} Built so far: {', '.join(built)}."
+        for value, why in DEPENDENCY_REFUSALS.get(dest, {}).items():  # a stated reason (relax.config.support_deps)
+            action.help = f"{(action.help or '').rstrip()} {value} is refused, a dependency conflict: {why}."
 
 
 def _megatron_text(text: str | None) -> str:

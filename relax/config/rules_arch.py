@@ -157,6 +157,14 @@ def mismatches(v: dict, given: list[str], hf: ModelArch) -> list[str]:
         if not _agree(v["rope_scaling_factor"], hf.rope_scaling_factor):
             hf_side = _hf_side("rope_scaling_factor", hf.rope_scaling_factor, hf)
             out.append(f"--rope-scaling-factor {v['rope_scaling_factor']}: {hf_side}")
+    if {"use_rope_scaling", "rope_scaling_factor"} & set(given) and v.get("use_rope_scaling"):
+        off = hf.llama3_rope_off_megatron()
+        if off:  # Megatron's --use-rope-scaling computes other frequencies than the HF config's model
+            fixed = ", ".join(f"{name} {megatron}" for name, (_, megatron) in off.items())
+            hf_values = ", ".join(f"{name} {value}" for name, (value, _) in off.items())
+            out.append(f"--use-rope-scaling: Megatron's llama3 RoPE scaling fixes {fixed}, the HF config's rope_scaling "
+                       f"gives {hf_values} (drop --use-rope-scaling and --rope-scaling-factor: Relax builds the "
+                       "HF config's scaling, all four parameters, without them)")
     if "moe_layer_freq" in given:
         freq = v["moe_layer_freq"]
         all_moe = freq == 1 or (isinstance(freq, list) and len(freq) == hf.num_layers and all(f == 1 for f in freq))
@@ -211,20 +219,45 @@ def hf_arch(v: dict) -> Optional[ModelArch]:
                           f"({type(exc).__name__}: {exc}), so the architecture flags cannot be checked") from None
 
 
+def rotary_scaling_factor_problems(v: dict, explicit, defaults: Optional[dict], hf: Optional[ModelArch]) -> list[str]:
+    """--rotary-scaling-factor is multi-latent attention's YaRN factor in Megatron (MLATransformerConfig); a GPT
+    model's Llama 3 scaling reads --rope-scaling-factor instead, so the flag has no effect here (a warning,
+    relax.config.support_megatron). Model flag files still pass it beside --use-rope-scaling meaning the Llama 3
+    factor: one that differs from the factor the run uses is refused, naming both, rather than silently ignored."""
+    defaults = defaults or {}
+    if "rotary_scaling_factor" not in explicit or same_value(v.get("rotary_scaling_factor"),
+                                                             defaults.get("rotary_scaling_factor", 1.0)):
+        return []
+    value = v["rotary_scaling_factor"]
+    if hf is not None:
+        factor, where = hf.rope_scaling_factor, "the HF config's rope_scaling.factor"
+    else:
+        factor = v.get("rope_scaling_factor") if v.get("use_rope_scaling") else None
+        where = "--rope-scaling-factor"
+    if factor is None or _agree(value, factor):
+        return []
+    return [f"--rotary-scaling-factor {value}: Megatron reads it only for multi-latent attention (YaRN); the Llama 3 "
+            f"RoPE scaling of this model uses {where}, {factor} (set --rope-scaling-factor to the model's factor and "
+            "drop --rotary-scaling-factor)"]
+
+
 def check_arch_flags(v: dict, explicit, defaults: Optional[dict] = None) -> None:
     """Architecture flags the user set must describe the model the run trains (see the module docstring)."""
     given = user_set_flags(v, explicit, defaults)
-    if not given:
+    rotary = "rotary_scaling_factor" in explicit
+    if not given and not rotary:
         return
-    if not v.get("hf_checkpoint"):
+    if given and not v.get("hf_checkpoint"):
         refuse_without_hf(v, given)
-    hf = hf_arch(v)
+    hf = hf_arch(v) if v.get("hf_checkpoint") else None
     if hf is None:  # nothing to compare with; each family's own features must still come together
-        problems = glm4_flag_problems(v.get) + moe_flag_problems(v.get, complete=False) + nemotron_flag_problems(v.get)
+        problems = (glm4_flag_problems(v.get) + moe_flag_problems(v.get, complete=False)
+                    + nemotron_flag_problems(v.get)) if given else []
+        problems += rotary_scaling_factor_problems(v, explicit, defaults, None)
         if problems:
             raise ConfigError("cannot build the model from the architecture flags: " + "; ".join(problems))
         return
-    problems = mismatches(v, given, hf)
+    problems = mismatches(v, given, hf) + rotary_scaling_factor_problems(v, explicit, defaults, hf)
     if problems:
         if is_embedded_model(v):
             where = "the embedded default model (built when neither --hf-checkpoint nor --prompt-data is given)"

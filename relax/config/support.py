@@ -16,6 +16,7 @@ from relax.config.config import Config
 from relax.config.errors import ConfigError
 from relax.config.megatron_mirror import ROWS as MEGATRON_ROWS
 from relax.config.support_async import ASYNC_FEATURES
+from relax.config.support_deps import dependency_reason
 from relax.config.support_health import HEALTH_FEATURES
 from relax.config.support_megatron import MEGATRON_FEATURES, NO_EFFECT_REASONS, no_effect_lines
 from relax.config.support_ops import OPS_FEATURES
@@ -74,9 +75,8 @@ SUPPORTED_VALUES: dict[str, frozenset] = {
     # "sglang": tests/test_sglang_cpu.py drives the controller with real SGLang on CPU (needs the
     # separate venv from scripts/install_sglang_cpu.sh; skipped when it is absent).
     "rollout_backend": frozenset({"auto", "embedded", "sglang"}),
-    # raw: relax/backends/megatron/hf_weights.py (tests/test_megatron_hf.py). bridge: the converter exists
-    # (relax/backends/megatron/bridge.py) but the trainer does not use it, and Megatron-Bridge cannot be
-    # installed next to transformers 5 on CPU here.
+    # raw: relax/backends/megatron/hf_weights.py (tests/test_megatron_hf.py). bridge: refused for a dependency
+    # conflict (relax.config.support_deps: no Megatron-Bridge release installs beside transformers 5).
     "megatron_to_hf_mode": frozenset({"raw"}),
 }
 for _dest, _values in TRAINING_SUPPORTED_VALUES.items():
@@ -177,8 +177,16 @@ def unsupported_flags(config: Config, implemented: frozenset[str] = IMPLEMENTED)
                 continue  # forwarded to every SGLang server (relax.roles.engine.engine_server_args), or no effect
             out.append(f"{name} (an SGLang server flag: honoured only with --rollout-backend sglang)")
             continue
+        why = dependency_reason(dest, config[dest]) if dest in SUPPORTED_VALUES else None
+        if why:
+            out.append(f"{name} {config[dest]} ({DEPENDENCY_MARK}{why})")
+            continue
         out.append(f"{name} {config[dest]}" if dest in SUPPORTED_VALUES else name)
     return out
+
+
+# How `unsupported_flags` marks a value refused for a stated dependency reason (relax.config.support_deps)
+DEPENDENCY_MARK = "a dependency conflict: "
 
 
 def _normal(value: Any) -> Any:
@@ -225,7 +233,13 @@ def uses_sglang_engines(config: Config) -> bool:
 
 def require_supported(config: Config) -> None:
     missing = unsupported_flags(config)
-    if missing:
-        raise ConfigError("not supported yet: " + ", ".join(missing)
-                          + " (these flags are accepted but their features are not built; "
-                            "remove them, or see `relax-train --dry-run` for the full list)")
+    conflicts = [m for m in missing if DEPENDENCY_MARK in m]
+    parts = []
+    if len(conflicts) < len(missing):
+        parts.append("not supported yet: " + ", ".join(m for m in missing if m not in conflicts)
+                     + " (these flags are accepted but their features are not built; "
+                       "remove them, or see `relax-train --dry-run` for the full list)")
+    if conflicts:  # "--flag value (a dependency conflict: why; fix)"
+        parts.append("refused: " + "; ".join(conflicts))
+    if parts:
+        raise ConfigError(". ".join(parts))

@@ -117,6 +117,12 @@ NO_EFFECT_REASONS: dict[str, str] = {
     "moe_pad_experts_for_cuda_graph_inference": _INFERENCE,
     # other model kinds' switches
     "bert_binary_head": "it is for BERT models; Relax builds decoder-only GPT models",
+    # Llama 3.1 model flag files pass it beside --use-rope-scaling; Megatron reads it only into MLATransformerConfig
+    # (YaRN), and relax.config.rules_arch refuses a value other than the factor the run's Llama 3 scaling uses
+    "rotary_scaling_factor": ("Megatron reads it only for multi-latent attention (YaRN), which no supported family "
+                              "has; the Llama 3 RoPE scaling of --use-rope-scaling takes its factor from "
+                              "--rope-scaling-factor and the HF config's rope_scaling (a different "
+                              "--rotary-scaling-factor is refused)"),
     "onnx_safe": "neither megatron-core 0.16 nor Megatron-LM 0.17's training code reads it (Relax exports no ONNX)",
     "cache_mla_latents": _INFERENCE,
     # Megatron-LM's own signal handlers (relax.core.run stops every run cleanly on SIGINT/SIGTERM)
@@ -208,7 +214,7 @@ NOT_BUILT: dict[str, tuple[str, frozenset[str]]] = {
             "decoder_num_layers", "window_size", "window_attn_skip_freq", "relative_attention_num_buckets",
             "relative_attention_max_distance", "rotary_seq_len_interpolation_factor",
             "no_rope_freq", "openai_gelu", "quick_geglu", "rope_type", "q_lora_rank",
-            "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rotary_scaling_factor", "mscale",
+            "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "mscale",
             "mscale_all_dim", "spec", "hybrid_layer_pattern", "hybrid_override_pattern",
             "transformer_impl", "use_legacy_models", "mtp_num_layers", "mtp_loss_scaling_factor", "mtp_standalone",
             })),

@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-__all__ = ["ARCH_FLAGS", "BUILDABLE_FLAGS", "SIZE_FLAGS", "ModelArch", "arch_for_run", "to_transformer_config",
+__all__ = ["ARCH_FLAGS", "BUILDABLE_FLAGS", "MEGATRON_LLAMA3_ROPE", "SIZE_FLAGS", "ModelArch", "arch_for_run", "to_transformer_config",
            "pad_vocab_size", "glm4_flag_problems", "moe_flag_problems",
            "nemotron_flag_problems"]
 
@@ -140,22 +140,31 @@ def _partial_rotary_factor(hf_config: Any, model_type: str) -> float:
     return float(factor if factor is not None else 0.5 if model_type in ("glm4", "nemotron") else 1.0)
 
 
-def _rope(hf_config: Any) -> tuple[float, Optional[float]]:
-    """(rotary_base, llama3 scaling factor or None) from either HF config style."""
+# The parameters of llama3 RoPE scaling besides its factor, as Megatron-core's RotaryEmbedding fixes them (its
+# _apply_scaling defaults, which GPTModel never overrides: Llama 3.1's values). HF configs state them in rope_scaling
+# (rope_parameters in transformers 5); the model is built with the HF config's (relax.backends.megatron.rope).
+MEGATRON_LLAMA3_ROPE: dict[str, float] = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 8192}
+
+
+def _rope(hf_config: Any) -> tuple[float, Optional[float], tuple[float, float, int]]:
+    """(rotary_base, llama3 scaling factor or None, its (low_freq_factor, high_freq_factor,
+    original_max_position_embeddings)) from either HF config style. A missing original context length is
+    max_position_embeddings, as transformers fills it in."""
     params = _cfg(hf_config, "rope_parameters") or _cfg(hf_config, "rope_scaling") or {}
     theta = _cfg(hf_config, "rope_theta") or params.get("rope_theta") or 10000.0
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    fixed = tuple(MEGATRON_LLAMA3_ROPE.values())
     if rope_type == "default":
-        return float(theta), None
+        return float(theta), None, fixed
     if rope_type == "llama3":
-        expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                    "original_max_position_embeddings": 8192}
-        for key, value in expected.items():
-            if float(params.get(key, value)) != value:
-                raise NotImplementedError(
-                    f"llama3 RoPE with {key}={params.get(key)} (Megatron fixes it at {value})"
-                )
-        return float(theta), float(params["factor"])
+        low = float(params.get("low_freq_factor", MEGATRON_LLAMA3_ROPE["low_freq_factor"]))
+        high = float(params.get("high_freq_factor", MEGATRON_LLAMA3_ROPE["high_freq_factor"]))
+        original = int(params.get("original_max_position_embeddings") or _cfg(hf_config, "max_position_embeddings"))
+        if not 0 < low < high:  # the smoothing between the two divides by high - low
+            raise NotImplementedError(f"llama3 RoPE with low_freq_factor {low} and high_freq_factor {high} "
+                                      "(the low one must be positive and below the high one)")
+        return float(theta), float(params["factor"]), (low, high, original)
     raise NotImplementedError(f"RoPE type {rope_type!r} is not supported")
 
 
@@ -175,6 +184,10 @@ class ModelArch:
     rotary_percent: float = 1.0  # the fraction of each head RoPE rotates (the first dims); GLM4's 0.5
     rotary_interleaved: bool = False  # RoPE on pairs (2i, 2i+1) (GLM4), not on the head's two halves
     rope_scaling_factor: Optional[float] = None  # llama3-style scaling when set
+    # llama3 scaling's other parameters (HF rope_scaling); Megatron's flags cannot state them (MEGATRON_LLAMA3_ROPE)
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
     norm_epsilon: float = 1e-6
     normalization: str = "RMSNorm"  # LayerNorm (with bias) in Nemotron
     swiglu: bool = True
@@ -228,6 +241,15 @@ class ModelArch:
         if self.rotary_percent != 1.0 and self.hf_family not in ("glm4", "nemotron"):
             raise ValueError("only glm4 and nemotron models rotate part of the head")
 
+    def llama3_rope_off_megatron(self) -> dict[str, tuple[float, float]]:
+        """The llama3 scaling parameters of this model that Megatron's flags (--use-rope-scaling, which fixes them)
+        would get wrong: HF name -> (this model's value, Megatron's). Empty without scaling."""
+        if self.rope_scaling_factor is None:
+            return {}
+        ours = (self.rope_low_freq_factor, self.rope_high_freq_factor, self.rope_original_max_position_embeddings)
+        return {name: (value, fixed) for (name, fixed), value in zip(MEGATRON_LLAMA3_ROPE.items(), ours)
+                if float(value) != float(fixed)}
+
     @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
@@ -257,7 +279,7 @@ class ModelArch:
             raise NotImplementedError("sliding-window attention is not supported")
         if _cfg(hf_config, "mlp_bias", False):
             raise NotImplementedError("MLP biases are not supported")
-        base, scaling = _rope(hf_config)
+        base, scaling, (low_freq, high_freq, original_positions) = _rope(hf_config)
         glm4 = model_type == "glm4"
         partial = _partial_rotary_factor(hf_config, model_type)
         if partial != 1.0 and not (glm4 or nemotron):  # the others' code rotates the whole head whatever the config
@@ -283,6 +305,9 @@ class ModelArch:
             rotary_percent=partial,
             rotary_interleaved=glm4,
             rope_scaling_factor=scaling,
+            rope_low_freq_factor=low_freq,
+            rope_high_freq_factor=high_freq,
+            rope_original_max_position_embeddings=original_positions,
             norm_epsilon=float(_cfg(hf_config, "norm_eps", 1e-5) if nemotron
                                else _cfg(hf_config, "rms_norm_eps", 1e-6)),
             normalization="LayerNorm" if nemotron else "RMSNorm",

@@ -7,10 +7,11 @@
   loads an HF folder into the Megatron model chunks and `bridge.export_hf_weights(models, cpu=True)` yields
   `(hf_name, tensor)` pairs gathered over tensor/pipeline parallel ranks.
 
-Megatron-Bridge (PyPI `megatron-bridge`) imports Transformer Engine at import time and requires
-transformers<5, so it is absent from the CPU stack. The trainer does not convert through it yet, so a real
-run with `--megatron-to-hf-mode bridge` stops before Ray as not supported (relax.config.support);
-`check_bridge_mode` says why the package is unusable here and what to install.
+No Megatron-Bridge release installs beside this project's pins: PyPI's megatron-bridge 0.3.0 and 0.3.1 (every
+release) require transformers<5.0.0 and transformer-engine[core_cu13,pytorch]<2.13 (relax.config.support_deps
+records what was checked). So a run with `--megatron-to-hf-mode bridge` stops before Ray with that dependency
+conflict and the fix (--megatron-to-hf-mode raw); `check_bridge_mode` and `BridgeConverter` say the same where
+the package is absent, and where it imports (its own environment) `BridgeConverter` converts through it.
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ import torch
 
 from relax.backends.megatron.hf_weights import export_hf_weights, load_hf_checkpoint_dir, load_hf_weights
 from relax.config.errors import ConfigError
+from relax.config.support_deps import MEGATRON_BRIDGE_CONFLICT, MEGATRON_BRIDGE_FIX
 
-INSTALL_HINT = "pip install megatron-bridge; it needs NVIDIA Transformer Engine and transformers<5, a CUDA stack"
+# What installing it takes, and why that is not possible beside Relax's pins
+INSTALL_HINT = (f"pip install megatron-bridge cannot keep Relax's pins: {MEGATRON_BRIDGE_CONFLICT}; "
+                f"{MEGATRON_BRIDGE_FIX}")
 MODES = ("raw", "bridge")
 
 _STATUS: dict[str, Optional[str]] = {}
@@ -50,8 +54,8 @@ def check_bridge_mode(v: dict, explicit=None) -> None:
         return
     why = bridge_unavailable_reason()
     if why:
-        raise ConfigError(f"--megatron-to-hf-mode bridge converts weights with Megatron-Bridge, but {why}; "
-                          f"install it ({INSTALL_HINT}) or use --megatron-to-hf-mode raw")
+        raise ConfigError(f"--megatron-to-hf-mode bridge converts weights with Megatron-Bridge, but {why}: "
+                          f"{MEGATRON_BRIDGE_CONFLICT}; {MEGATRON_BRIDGE_FIX}")
 
 
 def _chunks(model: Any) -> list:

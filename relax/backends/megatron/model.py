@@ -16,6 +16,7 @@ from relax.backends.megatron.context_parallel import with_cp_attention
 from relax.backends.megatron.cpu_compat import apply_cpu_compat, compute_device
 from relax.backends.megatron.layernorm1p import zero_centered_block_spec
 from relax.backends.megatron.megatron_options import call_provider
+from relax.backends.megatron.rope import apply_llama3_rope_parameters
 from relax.backends.megatron.sequence_parallel import block_spec
 
 __all__ = ["build_gpt_model", "te_available", "layer_spec", "ValueHead", "is_value_head_param", "weights_checksum"]
@@ -149,6 +150,7 @@ def build_gpt_model(
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
         vp_stage=vp_stage,
     )
+    apply_llama3_rope_parameters(model, arch)  # Megatron fixes three of llama3 scaling's four parameters
     if value_head:
         if transformer_config.sequence_parallel:
             raise NotImplementedError("a value head with sequence parallelism is not supported yet")
