@@ -141,7 +141,8 @@ def launch_report(verbose: bool = False) -> tuple[int, list[str]]:
              + ", ".join(f"{k} {len(v)}" for k, v in sorted(status.items()))]
     for name in status.get("dependency", []):
         dest, value, files = flags[name]
-        lines.append(f"  refused for a dependency reason: {name} ({', '.join(files)}): {dependency_reason(dest, value)}")
+        why = dependency_reason(dest, value)
+        lines.append(f"  refused for a dependency reason: {name} ({', '.join(files)}): {why}")
     for kind in ("hardware", "refused"):
         if verbose or kind == "refused":
             lines.extend(f"  {kind}: {name} ({', '.join(flags[name][2])})" for name in status.get(kind, []))

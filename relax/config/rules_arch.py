@@ -162,8 +162,8 @@ def mismatches(v: dict, given: list[str], hf: ModelArch) -> list[str]:
         if off:  # Megatron's --use-rope-scaling computes other frequencies than the HF config's model
             fixed = ", ".join(f"{name} {megatron}" for name, (_, megatron) in off.items())
             hf_values = ", ".join(f"{name} {value}" for name, (value, _) in off.items())
-            out.append(f"--use-rope-scaling: Megatron's llama3 RoPE scaling fixes {fixed}, the HF config's rope_scaling "
-                       f"gives {hf_values} (drop --use-rope-scaling and --rope-scaling-factor: Relax builds the "
+            out.append(f"--use-rope-scaling: Megatron's llama3 RoPE scaling fixes {fixed}, the HF config's "
+                       f"rope_scaling gives {hf_values} (drop --use-rope-scaling and --rope-scaling-factor: Relax builds the "
                        "HF config's scaling, all four parameters, without them)")
     if "moe_layer_freq" in given:
         freq = v["moe_layer_freq"]

@@ -16,8 +16,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-__all__ = ["ARCH_FLAGS", "BUILDABLE_FLAGS", "MEGATRON_LLAMA3_ROPE", "SIZE_FLAGS", "ModelArch", "arch_for_run", "to_transformer_config",
-           "pad_vocab_size", "glm4_flag_problems", "moe_flag_problems",
+__all__ = ["ARCH_FLAGS", "BUILDABLE_FLAGS", "MEGATRON_LLAMA3_ROPE", "SIZE_FLAGS", "ModelArch", "arch_for_run",
+           "to_transformer_config", "pad_vocab_size", "glm4_flag_problems", "moe_flag_problems",
            "nemotron_flag_problems"]
 
 _SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "glm4", "nemotron")
