@@ -108,9 +108,12 @@ def row_check(config: Any, rm_type: Optional[str],
     defaults = config.meta.get("defaults") or {}
     default_rollout = config.get("rollout_function_path") == defaults.get("rollout_function_path",
                                                                           config.get("rollout_function_path"))
-    scored = not custom_rm_path and default_rollout and not config.get("load_debug_rollout_data")
+    rollout = not (config.get("load_debug_rollout_data") or config.get("debug_train_only"))  # else none runs
+    scored = rollout and default_rollout and not custom_rm_path
 
     def check(rec: PromptRecord) -> Optional[RowProblem]:
+        if not rollout:
+            return None
         problem = prompt_problem(rec.prompt, chat)
         for modality, value in (rec.multimodal or {}).items():
             problem = problem or multimodal_problem(modality, value)
