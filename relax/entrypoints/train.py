@@ -1,5 +1,9 @@
 """`relax-train` / `python -m relax.entrypoints.train`: parse, validate, then run the controller.
 
+`relax-train --version` prints `relax <version>` (the installed package's metadata) and exits before anything
+heavy is imported. A run starts with one banner line: version, sync or fully-async, the model, the rollout
+engines and the output folder (`banner`).
+
 Around the controller's run: `--notify-urls` messages (started before, finished or failed after, from its exit
 code; a failure's message is the first ERROR line the run logged), the `--use-clearml` target check, which
 has to happen before Ray starts, and the secrets of the command line masked in `sys.argv` once it is parsed.
@@ -18,7 +22,32 @@ from pathlib import Path
 from relax.observability.console import HeldWarnings, hold_warnings, route
 
 
+def version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("relax")
+    except metadata.PackageNotFoundError:  # a source tree that is not installed
+        from relax import __version__
+
+        return __version__
+
+
+def banner(config) -> str:
+    """The run's first console line, one fact per field: version, mode, model, rollout engines, output folder."""
+    mode = f"fully-async (max staleness {config.max_staleness})" if config.fully_async else "sync"
+    model = f"embedded tiny model ({config.hf_checkpoint})" if config.meta.get("embedded_default") \
+        else config.hf_checkpoint
+    n = config.num_engines
+    where = "external" if config.rollout_external else config.rollout_backend
+    return (f"relax {version()} | {mode} | model: {model} | rollout: {n} engine{'s' if n != 1 else ''} ({where}) | "
+            f"output: {config.output_dir}")
+
+
 def main(argv: list[str] | None = None) -> int:
+    if "--version" in (sys.argv[1:] if argv is None else argv):
+        print(f"relax {version()}")
+        return 0
     held = hold_warnings()
     try:
         return _main(argv, held)
@@ -67,6 +96,7 @@ def _main(argv: list[str] | None, held: HeldWarnings) -> int:
     # Routed before the controller's imports: TransferQueue gives its loggers a console handler of their own
     # when the root logger has none at import time.
     with route(out / "logs" / "relax.log", held) as output:
+        logging.getLogger("relax").info("%s", banner(config))
         from relax.core.run import run_controller
         from relax.observability.ray_console import route_ray_output
 
