@@ -28,6 +28,6 @@ def train_argv(model, data, out, *extra, actor_ranks=2):
             "--output-dir", str(out), "--distributed-backend", "gloo", *extra]
 
 
-def records(out):
+def read_records(out):
     """The run's metrics records (`<out>/metrics.jsonl`)."""
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -24,25 +24,16 @@ import json
 import pytest
 import ray
 
-from conftest import shared_ray, shared_tiny_model
+from conftest import shared_ray
 
 from relax.backends.engine_client import EngineClient
 from relax.config import parse_config
 from relax.config.errors import ConfigError
 from relax.core.controller import Controller
-from relax.models.tasks import generate_task_dataset
 
 pytestmark = pytest.mark.e2e  # whole runs: Ray, trainer, engines (deselect with -m 'not e2e')
 
 RUNS: dict = {}
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    base = tmp_path_factory.mktemp("colocate")
-    model = shared_tiny_model()
-    data = generate_task_dataset(base / "train.jsonl", 40, seed=0, task="add_mod10")
-    return base, str(model), str(data)
 
 
 def _argv(assets, name, steps, *extra):

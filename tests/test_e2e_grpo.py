@@ -7,27 +7,18 @@ import psutil
 import pytest
 import ray
 
-from conftest import assert_ray_released, shared_ray, shared_tiny_model
+from conftest import assert_ray_released, shared_ray
 from test_timeline import assert_lanes_do_not_overlap, check_chrome_trace
 
 from relax.config import parse_config
 from relax.config.env import TIMELINE_ENV
 from relax.core.controller import Controller
-from relax.models.tasks import generate_task_dataset
 
 pytestmark = pytest.mark.e2e  # a whole run: Ray, trainer, engines (deselect with -m 'not e2e')
 
 
 def _children():
     return {p.pid for p in psutil.Process().children(recursive=True)}
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    base = tmp_path_factory.mktemp("e2e")
-    model = shared_tiny_model()
-    data = generate_task_dataset(base / "train.jsonl", 40, seed=0, task="add_mod10")
-    return base, str(model), str(data)
 
 
 def test_grpo_two_engines_two_dp_ranks(assets, monkeypatch):

@@ -7,40 +7,19 @@ ranks for actor and reference), 1 embedded engine, TransferQueue.
    checkpoint (actor and reference both start from it).
 """
 
-import json
-
 import pytest
 import ray
 
-from conftest import assert_ray_released, shared_ray, shared_tiny_model
+from conftest import assert_ray_released, shared_ray
+from run_fixtures import read_records, train_argv
 
 from relax.config import parse_config
 from relax.core.controller import Controller
-from relax.models.tasks import generate_task_dataset
 
 pytestmark = pytest.mark.e2e  # a whole run: Ray, trainer, engines (deselect with -m 'not e2e')
 
 STATE: dict = {}
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    base = tmp_path_factory.mktemp("e2e_ref")
-    model = shared_tiny_model()
-    data = generate_task_dataset(base / "train.jsonl", 40, seed=0, task="add_mod10")
-    return base, str(model), str(data)
-
-
-def _argv(model, data, out, *extra):
-    return ["--hf-checkpoint", model, "--prompt-data", data, "--apply-chat-template", "--input-key", "input",
-            "--label-key", "label", "--rm-type", "random", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
-            "--rollout-max-response-len", "4", "--micro-batch-size", "4", "--lr", "1e-2",
-            "--resource", '{"actor": [1, 2], "rollout": [1, 1]}', "--num-data-storage-units", "1",
-            "--output-dir", str(out), "--distributed-backend", "gloo", *extra]
-
-
-def _records(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+_argv = train_argv
 
 
 def test_grpo_kl_loss_with_reference_refresh(assets):
@@ -62,7 +41,7 @@ def test_grpo_kl_loss_with_reference_refresh(assets):
         assert STATE["actor_checksum"] != start
     finally:
         controller.shutdown()
-    records = _records(out)
+    records = read_records(out)
     assert [r["step"] for r in records] == [0, 1, 2]
     kl = [r["train/kl"] for r in records]
     for r in records:
@@ -100,7 +79,7 @@ def test_reinforce_plus_plus_baseline_kl_reward_from_ref_load(assets):
         assert ray.get(controller.workers[0].weights_checksum.remote("reference")) == ref_sum
     finally:
         controller.shutdown()
-    records = _records(out)
+    records = read_records(out)
     assert [r["step"] for r in records] == [0, 1]
     for r in records:
         assert abs(r["train/loss"]) < 1e3 and r["train/grad_norm"] > 0

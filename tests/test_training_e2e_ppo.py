@@ -7,41 +7,24 @@ Ray, Megatron-core over gloo (2 data-parallel ranks per role), 1 embedded engine
    critic save root: the critic starts from run 1's final critic, the teacher differs from the student.
 """
 
-import json
 import math
 
 import pytest
 import ray
 
-from conftest import assert_ray_released, shared_ray, shared_tiny_model
+from conftest import assert_ray_released, shared_ray
+from run_fixtures import read_records, train_argv
 
 from relax.config import parse_config
 from relax.core.controller import Controller
-from relax.models.tasks import generate_task_dataset
 
 pytestmark = pytest.mark.e2e  # a whole run: Ray, trainer, engines (deselect with -m 'not e2e')
 
 STATE: dict = {}
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    base = tmp_path_factory.mktemp("e2e_ppo")
-    model = shared_tiny_model()
-    data = generate_task_dataset(base / "train.jsonl", 40, seed=0, task="add_mod10")
-    return base, str(model), str(data)
-
-
 def _argv(model, data, out, *extra):
-    return ["--hf-checkpoint", model, "--prompt-data", data, "--apply-chat-template", "--input-key", "input",
-            "--label-key", "label", "--rm-type", "random", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
-            "--rollout-max-response-len", "4", "--micro-batch-size", "4", "--lr", "1e-2",
-            "--resource", '{"actor": [1, 2], "rollout": [1, 1]}', "--num-data-storage-units", "1",
-            "--output-dir", str(out), "--distributed-backend", "gloo", "--advantage-estimator", "ppo", *extra]
-
-
-def _records(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return train_argv(model, data, out, "--advantage-estimator", "ppo", *extra)
 
 
 def _checksums(controller):
@@ -67,7 +50,7 @@ def test_ppo_with_critic(assets):
     finally:
         controller.shutdown()
     assert end_actor != start_actor and end_critic != start_critic
-    records = _records(out)
+    records = read_records(out)
     assert [r["step"] for r in records] == [0, 1]
     assert [r["train/num_updates"] for r in records] == [0, 1]
     for r in records:
@@ -108,7 +91,7 @@ def test_ppo_with_opd_teacher_and_critic_load(assets):
         assert ray.get(controller.aux.teacher.workers[0].weights_checksum.remote()) == teacher
     finally:
         controller.shutdown()
-    records = _records(out)
+    records = read_records(out)
     assert [r["step"] for r in records] == [0, 1]
     for r in records:
         assert math.isfinite(r["train/loss"]) and r["train/grad_norm"] > 0

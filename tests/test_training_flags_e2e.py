@@ -8,41 +8,24 @@ sglang-router, TransferQueue), 1 actor rank and 1 engine:
 2. --advantage-estimator on_policy_distillation with a Megatron teacher (another random model): pure distillation.
 """
 
-import json
 import math
 
 import pytest
 import ray
 
-from conftest import assert_ray_released, shared_ray, shared_tiny_model
+from conftest import assert_ray_released, shared_ray
+from run_fixtures import read_records, train_argv
 
 from relax.config import parse_config
 from relax.config.support import unsupported_flags
 from relax.core.controller import Controller
-from relax.models.tasks import generate_task_dataset
 from relax.models.tiny import TinyArch, build_tiny_model_dir
 
 pytestmark = pytest.mark.e2e  # a whole run: Ray, trainer, engines (deselect with -m 'not e2e')
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    base = tmp_path_factory.mktemp("e2e_flags")
-    model = shared_tiny_model()
-    data = generate_task_dataset(base / "train.jsonl", 40, seed=0, task="add_mod10")
-    return base, str(model), str(data)
-
-
 def _argv(model, data, out, *extra):
-    return ["--hf-checkpoint", model, "--prompt-data", data, "--apply-chat-template", "--input-key", "input",
-            "--label-key", "label", "--rm-type", "random", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
-            "--rollout-max-response-len", "4", "--micro-batch-size", "4", "--lr", "1e-2",
-            "--resource", '{"actor": [1, 1], "rollout": [1, 1]}', "--num-data-storage-units", "1",
-            "--output-dir", str(out), "--distributed-backend", "gloo", *extra]
-
-
-def _records(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return train_argv(model, data, out, *extra, actor_ranks=1)
 
 
 def test_true_on_policy_with_kept_old_actor_and_delayed_weight_updates(assets):
@@ -60,7 +43,7 @@ def test_true_on_policy_with_kept_old_actor_and_delayed_weight_updates(assets):
         assert ray.get(controller.workers[0].weights_checksum.remote()) != start
     finally:
         controller.shutdown()
-    records = _records(out)
+    records = read_records(out)
     assert [r["step"] for r in records] == [0, 1, 2]
     for r in records:
         assert math.isfinite(r["train/loss"]) and r["train/grad_norm"] > 0
@@ -92,7 +75,7 @@ def test_on_policy_distillation_with_a_megatron_teacher(assets):
         assert ray.get(controller.aux.teacher.workers[0].weights_checksum.remote()) == teacher_sum
     finally:
         controller.shutdown()
-    records = _records(out)
+    records = read_records(out)
     assert [r["step"] for r in records] == [0, 1]
     for r in records:
         assert math.isfinite(r["train/loss"]) and r["train/grad_norm"] > 0 and "perf/teacher_logprob_time" in r
