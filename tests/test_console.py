@@ -44,6 +44,17 @@ def assert_console_clean(text: str, log_text: str) -> None:
     assert len(lines) <= 2, lines
 
 
+# A Python dict printed whole (`{'key': ...`): the console keeps one line per fact, dicts go to the log file.
+PYTHON_DICT = re.compile(r"\{'[^']*': ")
+
+
+def first_run_noise(text: str) -> list[str]:
+    """The lines of a clean run's console that a new user should not see: warnings (the embedded default's own
+    choices are INFO) and whole Python dicts."""
+    return [line for line in text.splitlines()
+            if " WARNING " in line or line.startswith("relax-train: warning") or PYTHON_DICT.search(line)]
+
+
 def _batch(lines, pid=123, actor="TrainerWorker", **extra):
     return {"lines": lines, "pid": pid, "ip": "10.0.0.1", "localhost": "10.0.0.1", "actor_name": actor,
             "task_name": "", "is_err": True, **extra}
@@ -111,6 +122,18 @@ def test_route_holds_driver_warnings_and_keeps_the_console_for_relax(tmp_path, c
     # everything is put back: the root logger's handlers and Python's warning display
     assert not any(isinstance(h, console.ConsoleHandler) for h in logging.getLogger().handlers)
     assert warnings.showwarning is held._original
+
+
+def test_details_go_to_the_log_file_only(tmp_path, capsys):
+    log = tmp_path / "relax.log"
+    with console.route(log):
+        logging.getLogger("relax.models.embedded").info("embedded default: tiny model in m (from the cache)")
+        logging.getLogger(console.DETAILS).info("embedded default assets: %s", {"cache": "hit", "seed": 0})
+    err = capsys.readouterr().err
+    assert "tiny model in m" in err and "assets" not in err and not first_run_noise(err), err
+    assert "embedded default assets: {'cache': 'hit', 'seed': 0}" in log.read_text()
+    assert first_run_noise("x relax WARNING y\nrelax INFO a dict {'a': 1}\nrelax INFO fine") == [
+        "x relax WARNING y", "relax INFO a dict {'a': 1}"]
 
 
 def test_ray_output_goes_through_relax_and_is_put_back(tmp_path, capsys):

@@ -30,7 +30,7 @@ from pathlib import Path
 import psutil
 import pytest
 import requests
-from test_console import assert_console_clean
+from test_console import assert_console_clean, first_run_noise
 
 # The cluster tests are whole runs (Ray, trainer, engines): marked e2e one by one (deselect with -m 'not e2e');
 # the script's own argument handling below is a unit test.
@@ -255,6 +255,7 @@ def test_submitted_run_spans_both_nodes_and_succeeds(cluster, tmp_path):
     assert marker in logs, logs[-3000:]
     driver_console = logs.split(marker, 1)[1].partition("\n")[2]
     assert_console_clean(driver_console, (out / "logs" / "relax.log").read_text())
+    assert not first_run_noise(driver_console), driver_console[-3000:]  # no warning of its own making, no dict
 
     actors = cluster.state("actors", job_id=info["job_id"])
     nodes = cluster.nodes()

@@ -93,7 +93,7 @@ def prepare_run(config: Config) -> int | None:
         write_resolved_config(config, Path(config.dump_details) / "config.yaml")
     if config.meta.get("embedded_default"):
         info = build_embedded_assets(config.hf_checkpoint, config.prompt_data, seed=config.seed % 1000)
-        logger.info("embedded default assets: %s", info)
+        logging.getLogger("relax.details").info("embedded default assets: %s", info)  # the log file only
     try:
         for note in preflight(config):
             logger.warning("%s", note)

@@ -18,14 +18,17 @@ import logging
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
+from typing import Iterator
 
 from relax.models.tasks import generate_task_dataset
 from relax.models.tiny import TinyArch, build_tiny_model_dir
 from relax.models.warmstart import format_warm_start
 
 logger = logging.getLogger(__name__)
+details = logging.getLogger("relax.details")  # the log file only (relax.observability.console.DETAILS)
 
 EMBEDDED_TASK = "successor"
 EMBEDDED_NUM_PROMPTS = 100
@@ -76,10 +79,27 @@ def cache_key(seed: int) -> str:
     return h.hexdigest()[:20]
 
 
+@contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Without transformers' progress bars ("Writing model shards", "Loading weights"): a build prints no
+    library output on relax-train's console."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def _build(model_dir: Path, data_path: Path, seed: int) -> dict:
-    build_tiny_model_dir(model_dir, EMBEDDED_ARCH, seed=seed)
-    report = format_warm_start(model_dir, task=EMBEDDED_TASK, steps=WARM_START_STEPS, seed=seed,
-                               trainable=WARM_START_TRAINABLE)
+    logger.info("embedded default: building the tiny model (%d warm-start steps) and its task data", WARM_START_STEPS)
+    with _quiet_transformers():
+        build_tiny_model_dir(model_dir, EMBEDDED_ARCH, seed=seed)
+        report = format_warm_start(model_dir, task=EMBEDDED_TASK, steps=WARM_START_STEPS, seed=seed,
+                                   trainable=WARM_START_TRAINABLE)
     generate_task_dataset(data_path, EMBEDDED_NUM_PROMPTS, seed, task=EMBEDDED_TASK)
     return report
 
@@ -120,6 +140,8 @@ def build_embedded_assets(model_dir: str, data_path: str, seed: int = 0) -> dict
     marker = model_dir_p / "relax_embedded.json"
     spec = embedded_spec(seed)
     if marker.is_file() and json.loads(marker.read_text()) == spec and data_p.is_file():
+        logger.info("embedded default: tiny model in %s and task data in %s, kept from the earlier run", model_dir,
+                    data_path)
         return {"reused": True, **spec}
     entry, cache = _cached_entry(seed)
     if entry is not None:
@@ -132,7 +154,8 @@ def build_embedded_assets(model_dir: str, data_path: str, seed: int = 0) -> dict
     else:
         report = _build(model_dir_p, data_p, seed)
     marker.write_text(json.dumps(spec))
-    logger.info("embedded default: tiny model in %s (cache %s%s, warm start %s), task data in %s", model_dir,
-                cache, f" {entry}" if entry is not None else "", report, data_path)
+    built = {"hit": "from the cache", "miss": "built and cached"}.get(cache, "built")
+    logger.info("embedded default: tiny model in %s (%s), task data in %s", model_dir, built, data_path)
+    details.info("embedded default: cache %s%s, warm start %s", cache, f" {entry}" if entry else "", report)
     return {"reused": False, **spec, "cache": cache, "cache_dir": str(entry) if entry else None,
             "warm_start": report}

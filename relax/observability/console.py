@@ -7,6 +7,8 @@ On the console (relax-train's stdout and stderr):
   * WARNING and worse records of the `relax` loggers inside the roles (Ray workers): `setup_worker`, Ray's
     worker set-up hook, gives them the driver's line shape, so they are told apart from library output.
 In `<output-dir>/logs/relax.log` only:
+  * records of the `relax.details` logger (`DETAILS`): whole dicts and other detail behind a console line, which
+    keeps one line per fact;
   * the driver's Python warnings: Megatron and Transformer Engine warn while they are imported, before the log
     file exists, so `hold_warnings` keeps them from the start of relax-train until `route` writes them;
   * records of every other logger of the driver (Ray's start-up notices, TransferQueue's client);
@@ -42,6 +44,9 @@ PROGRESS = re.compile(r"^rollout \d+: ")
 _NUMBERED = re.compile(r"\S*\d\S*")
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
+# Relax's records for the log file only (see the module docstring): `logging.getLogger(DETAILS)`.
+DETAILS = "relax.details"
+
 _bar = {"open": False, "stream": None}
 _bar_lock = threading.Lock()
 
@@ -50,11 +55,16 @@ def is_relax_logger(name: str) -> bool:
     return name == "relax" or name.startswith("relax.")
 
 
+def is_details_logger(name: str) -> bool:
+    return name == DETAILS or name.startswith(DETAILS + ".")
+
+
 class RelaxOnly(logging.Filter):
-    """The console handler's filter: records of Relax's loggers pass, any other logger's go to the file only."""
+    """The console handler's filter: records of Relax's loggers pass, any other logger's (and `DETAILS`) go to the
+    file only."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return is_relax_logger(record.name)
+        return is_relax_logger(record.name) and not is_details_logger(record.name)
 
 
 class ConsoleHandler(logging.StreamHandler):
