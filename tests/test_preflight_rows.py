@@ -109,3 +109,24 @@ def test_the_rollout_refuses_with_the_same_checks():
     assert payload_fields({"image": ["a.png", "data:image/png;base64,AAAA"]}) == {
         "image_data": ["a.png", "data:image/png;base64,AAAA"]}
     assert multimodal_problem("image", []) is not None and multimodal_problem("video", {"url": "v.mp4"}) is None
+
+
+def test_the_embedded_tasks_repeated_prompts_are_one_info_line_and_a_users_file_still_warns(tmp_path, tiny_model,
+                                                                                             caplog):
+    import logging
+    import shutil
+
+    from relax.config import parse_config
+    from relax.core.preflight import preflight
+    from relax.models.tasks import generate_task_dataset
+
+    config = parse_config(["--output-dir", str(tmp_path / "run")])  # the embedded default: 10 prompts, batch 32
+    shutil.copytree(tiny_model, config.hf_checkpoint)
+    generate_task_dataset(config.prompt_data, 100, 0, task="successor")
+    with caplog.at_level(logging.INFO, logger="relax"):
+        assert preflight(config) == []
+    assert [r.levelname for r in caplog.records if "distinct prompts" in r.getMessage()] == ["INFO"]
+    own = parse_config(["--hf-checkpoint", config.hf_checkpoint, "--prompt-data", str(shutil.copy(
+        config.prompt_data, tmp_path / "mine.jsonl")), "--rollout-batch-size", "32", "--num-rollout", "1",
+        "--apply-chat-template", "--rm-type", "exact_match", "--output-dir", str(tmp_path / "own")])
+    assert [n for n in preflight(own) if "10 distinct prompt(s), fewer than --rollout-batch-size 32" in n]
