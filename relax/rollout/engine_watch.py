@@ -9,8 +9,8 @@ the timeout is named on the console (a WARNING of the rollout manager), then:
   replaced and re-synced, its requests sent again to the others; the step goes on;
 * without it the step's call raises `EngineUnresponsive` at once, naming the engine, its address and the step,
   and the run stops with exit 1 (the controller reports the rollout role's error as for any failed call). The
-  rollout function is left behind in its thread, waiting on the silent engine: the run is ending, and the
-  shutdown kills the manager, its engines and the stopped process.
+  engine's server is then killed, so that the router and the rollout function, left behind in its thread, let
+  go of its requests; the run is ending, and the shutdown stops the manager and everything else.
 
 The step runs in a thread of its own (`run`) so that the call can return while the rollout function waits on a
 request (up to --generate-timeout); this holds for any --rollout-function-path, asyncio or not.
@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 import threading
 from typing import Any, Callable, Optional
+
+import ray
 
 from relax.rollout.engine_pool import ACTIVE, Engine, EnginePool, probe_engine
 from relax.rollout.liveness import EngineUnresponsive, LivenessWatch, Silence
@@ -105,6 +107,18 @@ class EngineWatcher:
         if self.failure is None:
             self.failure = EngineUnresponsive(f"{what} (--use-fault-tolerance replaces such an engine; "
                                               "--engine-liveness-timeout 0 switches the watch off)")
+        self._kill(e)
+
+    def _kill(self, e: Engine) -> None:
+        """The silent engine's server is killed (SIGKILL acts on a stopped process too) once the step has its
+        error: the router lets go of the requests it holds, so the run's shutdown does not wait on them (a router
+        with requests out to a stopped engine ignores SIGTERM). An engine Relax did not start is left alone."""
+        if e.actor is None:
+            return
+        try:
+            ray.get(e.actor.kill_server.remote(), timeout=self.pool.control_timeout_s)
+        except Exception as exc:  # the actor may be gone already: the shutdown kills what is left
+            logger.info("engine liveness watch: killing the server of engine %d: %r", e.id, exc)
 
     def run(self, fn: Callable[[], Any], during: str) -> Any:
         """`fn()` with requests in flight for `during` (e.g. `rollout step 3`): its result, or its error, or
