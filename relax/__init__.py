@@ -1,7 +1,7 @@
 """Relax: Ray-actor distributed RL post-training for LLMs."""
 
 from relax import heap as _heap
-from relax.backends.megatron import lazy_jit as _lazy_jit
+from relax import lazy_jit as _lazy_jit
 
 __version__ = "0.1.0"
 

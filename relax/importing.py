@@ -1,6 +1,6 @@
 """A module's first import in this process run inside a context (`patch_import`): for the start-up patches that
 keep third-party imports from pulling in torch._dynamo (relax.data.tensordict_import,
-relax.backends.megatron.lazy_jit). Standard library only, so that arming a patch imports nothing."""
+relax.lazy_jit). Standard library only, so that arming a patch imports nothing."""
 
 from __future__ import annotations
 

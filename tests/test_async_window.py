@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from relax.core import async_loop
+from relax.core import step_tail
 from relax.core.async_loop import StalenessWindow, run_window
 
 STEPS = 20
@@ -159,22 +159,19 @@ class _FakeClient:
 EVENTS: list = []
 
 
-class _FakeController:
-    """What AsyncLoop.push_weights uses of the controller."""
+class _FakeRun:
+    """What relax.core.step_tail.push_weights uses of the run context."""
 
     def __init__(self, push_fails=False):
-        self.config = SimpleNamespace(update_weight_buffer_size=1, max_staleness=1, num_rollout=3, save=None,
-                                      num_iters_per_train_update=1)
+        self.config = SimpleNamespace(update_weight_buffer_size=1)
         self.deadlines = SimpleNamespace(control_s=5.0, train_s=5.0)
-        self.start_step, self.workers, self.aux, self.engine_urls = 0, [], None, []
-        self.stages = SimpleNamespace(ahead=lambda: ())
         self.push_fails = push_fails
 
-    def _rollout_call(self, method, action, step, *args):
+    def rollout_call(self, method, action, step, *args):
         EVENTS.append((method,) + args)
         return ["http://e0", "http://e1"] if method == "push_targets" else None
 
-    def _trainers(self, method, action, step, *args):
+    def trainers(self, method, action, step, *args):
         EVENTS.append((method, args[1]))
         if self.push_fails:
             raise RuntimeError("push failed")
@@ -185,19 +182,27 @@ class _FakeController:
 def test_weight_push_pauses_every_engine_in_place_and_continues(monkeypatch, push_fails):
     """No decode step between the first and the last tensor of a push: every engine is paused in place before
     the trainer pushes and continued after (also when the push fails)."""
-    monkeypatch.setattr(async_loop, "EngineClient", _FakeClient)
+    monkeypatch.setattr(step_tail, "EngineClient", _FakeClient)
     EVENTS.clear()
-    loop = async_loop.AsyncLoop(_FakeController(push_fails))
     if push_fails:
         with pytest.raises(RuntimeError, match="push failed"):
-            loop.push_weights(4)
+            step_tail.push_weights(_FakeRun(push_fails), 4, pause=True)
     else:
-        loop.push_weights(4)
+        step_tail.push_weights(_FakeRun(push_fails), 4, pause=True)
     names = [e[0] for e in EVENTS]
     assert EVENTS[1:3] == [("pause", "http://e0", "in_place"), ("pause", "http://e1", "in_place")]
     assert names[3] == "push_weights" and EVENTS[3][1] == 5  # version step + 1
     assert names[-2:] == ["continue", "continue"]
     assert ("weights_pushed" in names) != push_fails
+
+
+def test_synchronous_weight_push_pauses_nothing(monkeypatch):
+    """Without generation in flight (the synchronous loop) the push goes straight to the pool's engines."""
+    monkeypatch.setattr(step_tail, "EngineClient", _FakeClient)
+    EVENTS.clear()
+    step_tail.push_weights(_FakeRun(), 2, pause=False)
+    assert [e[0] for e in EVENTS] == ["push_targets", "push_weights", "weights_pushed"]
+    assert EVENTS[2] == ("weights_pushed", 3, ["http://e0", "http://e1"])
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1, 2])

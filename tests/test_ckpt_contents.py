@@ -98,6 +98,11 @@ def fake_ray(monkeypatch):
     monkeypatch.setattr(checkpointing.ray, "get", lambda refs: refs)
 
 
+def _resume(parts, load):
+    """resume_from on the parts a run holds; the step it returns is where the run starts."""
+    parts.start_step = resume_from(parts.config, parts.workers, parts.aux, parts.rollout, parts.engine_urls, load)
+
+
 def _controller(config):
     return SimpleNamespace(config=config, workers=[_Worker()], aux=None, rollout=_Rollout(), engine_urls=["e"],
                            start_step=0)
@@ -106,7 +111,7 @@ def _controller(config):
 def test_ckpt_step_resumes_that_iteration_with_everything(tmp_path, fake_ray):
     root = _save_root(tmp_path / "ckpt", [2, 4])
     ctl = _controller(_config(tmp_path, "--load", str(root), "--ckpt-step", "2"))
-    resume_from(ctl, str(root))
+    _resume(ctl, str(root))
     assert ctl.workers[0].calls == [("load", str(layout.iter_dir(root, 2) / "actor")), ("push", 2)]
     assert ctl.start_step == 2 and ctl.rollout.loaded == {"next_index": 20}
 
@@ -114,7 +119,7 @@ def test_ckpt_step_resumes_that_iteration_with_everything(tmp_path, fake_ray):
 def test_finetune_loads_the_weights_only_and_starts_at_step_0(tmp_path, fake_ray):
     root = _save_root(tmp_path / "ckpt", [2, 4])
     ctl = _controller(_config(tmp_path, "--load", str(root), "--finetune"))
-    resume_from(ctl, str(root))
+    _resume(ctl, str(root))
     # the weights alone (no optimizer, scheduler or RNG: MegatronTrainer.load_weights), version 0 to the engines
     assert ctl.workers[0].calls == [("load_weights", str(layout.iter_dir(root, 4)), None), ("push", 0)]
     assert ctl.start_step == 0 and ctl.rollout.loaded is None  # the rollout position starts afresh
@@ -125,12 +130,12 @@ def test_pretrained_checkpoint_is_read_while_load_holds_none(tmp_path, fake_ray)
     empty = tmp_path / "run"
     ctl = _controller(_config(tmp_path, "--load", str(empty), "--save", str(empty), "--pretrained-checkpoint",
                               str(pre), "--ckpt-step", "3"))
-    resume_from(ctl, str(empty))
+    _resume(ctl, str(empty))
     assert ctl.workers[0].calls == [("load_weights", str(pre), 3), ("push", 0)] and ctl.start_step == 0
     # once --load holds a checkpoint, the run resumes from it and the pretrained one is not read
     _save_root(empty, [1])
     ctl = _controller(_config(tmp_path, "--load", str(empty), "--pretrained-checkpoint", str(pre)))
-    resume_from(ctl, str(empty))
+    _resume(ctl, str(empty))
     assert ctl.workers[0].calls[0] == ("load", str(layout.iter_dir(empty, 1) / "actor")) and ctl.start_step == 1
 
 

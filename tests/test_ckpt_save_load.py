@@ -68,6 +68,17 @@ def _assert_same(a, b):
         assert a == b
 
 
+def _save(parts, rollout_id):
+    """save_checkpoint of the parts a run holds, with the rollout position of the moment."""
+    state = ray.get(parts.rollout.state_dict.remote())
+    return save_checkpoint(parts.config, parts.workers, parts.aux, state, rollout_id)
+
+
+def _resume(parts, load):
+    """resume_from on the parts a run holds; the step it returns is where the run starts."""
+    parts.start_step = resume_from(parts.config, parts.workers, parts.aux, parts.rollout, parts.engine_urls, load)
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     from relax.data.plane import DataPlane
@@ -105,7 +116,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(env, tmp_path, monkeypatch):
     ctl = env.controller(save=tmp_path / "save")
     _train(env.worker, 1)
     ray.get(env.rollout.set.remote(11))
-    save_checkpoint(ctl, 1)
+    _save(ctl, 1)
     saved = _state(env.worker)
     _train(env.worker, 2)
     ray.get(env.rollout.set.remote(22))
@@ -115,7 +126,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(env, tmp_path, monkeypatch):
 
     monkeypatch.setattr(checkpointing, "_write_rollout_state", crash)
     with pytest.raises(KeyboardInterrupt):
-        save_checkpoint(ctl, 2)  # the actor part is on disk (in staging), then the "kill"
+        _save(ctl, 2)  # the actor part is on disk (in staging), then the "kill"
     monkeypatch.undo()
     root = tmp_path / "save"
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "1"
@@ -124,12 +135,12 @@ def test_crash_mid_save_keeps_previous_checkpoint(env, tmp_path, monkeypatch):
 
     _train(env.worker, 3)
     ctl2 = env.controller(save=tmp_path / "save")
-    resume_from(ctl2, str(root))
+    _resume(ctl2, str(root))
     assert ctl2.start_step == 1
     _assert_same(saved, _state(env.worker))
     assert ray.get(env.rollout.state_dict.remote()) == {"next_index": 11}
     # the next save clears the leftovers of the crashed one
-    save_checkpoint(ctl2, 2)
+    _save(ctl2, 2)
     assert not (root / ".tmp_iter_0000002").exists()
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "2"
 
@@ -137,7 +148,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(env, tmp_path, monkeypatch):
 def test_no_save_optim_refuses_training_resume_unless_no_load_optim(env, tmp_path):
     root = tmp_path / "save"
     _train(env.worker, 4)
-    save_checkpoint(env.controller("--no-save-optim", save=root), 5)
+    _save(env.controller("--no-save-optim", save=root), 5)
     weights = _state(env.worker)["model"]
     meta = json.loads((root / "iter_0000005" / "actor" / "meta.json").read_text())
     assert meta["optimizer_saved"] is False
@@ -145,9 +156,9 @@ def test_no_save_optim_refuses_training_resume_unless_no_load_optim(env, tmp_pat
     assert state["optimizer"] is None
     _train(env.worker, 5)
     with pytest.raises(CheckpointError, match="--no-save-optim and holds no optimizer state.*--no-load-optim"):
-        resume_from(env.controller(save=root), str(root))
+        _resume(env.controller(save=root), str(root))
     ctl = env.controller("--no-load-optim", save=root)
-    resume_from(ctl, str(root))
+    _resume(ctl, str(root))
     assert ctl.start_step == 5
     _assert_same(weights, _state(env.worker)["model"])
     _train(env.worker, 6)  # trains on with a fresh optimizer
@@ -162,12 +173,12 @@ def test_async_save_snapshots_and_rotation(env, tmp_path):
         _train(env.worker, 10 + it)
         ray.get(env.rollout.set.remote(100 + it))
         snaps[it] = _state(env.worker)
-        save_checkpoint(ctl, it)
+        _save(ctl, it)
         _train(env.worker, 20 + it)  # training goes on while the checkpoint is written
-    wait_for_pending_save(ctl)
+    wait_for_pending_save(ctl.config.save)
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("iter_")) == ["iter_0000002", "iter_0000003"]
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "3"
-    resume_from(env.controller(save=root), str(root))
+    _resume(env.controller(save=root), str(root))
     _assert_same(snaps[3], _state(env.worker))  # the state at save time, not what training did afterwards
     assert ray.get(env.rollout.state_dict.remote()) == {"next_index": 103}
 
@@ -177,7 +188,7 @@ def test_save_hf_reloads_with_the_same_logits(env, tmp_path):
 
     root = tmp_path / "save"
     _train(env.worker, 30)
-    save_checkpoint(env.controller("--save-hf", str(tmp_path / "hf_{rollout_id}"), save=root), 7)
+    _save(env.controller("--save-hf", str(tmp_path / "hf_{rollout_id}"), save=root), 7)
     hf = tmp_path / "hf_7"
     assert (hf / "model.safetensors").is_file() and (hf / "config.json").is_file()
     assert not (tmp_path / "hf_7.tmp").exists()

@@ -24,7 +24,7 @@ from run_helpers import assert_nothing_left, run_processes, start_run, wait_for_
 from relax.backends.megatron.checkpoint_layout import iter_dir, read_run_state, write_marker
 from relax.config import parse_config
 from relax.core.deadlines import RoleFailure
-from relax.engine.rollout.sglang_rollout import generate_rollout
+from relax.rollout.sglang_rollout import generate_rollout
 from relax.models.tasks import generate_task_dataset
 
 pytestmark = pytest.mark.e2e  # whole runs: Ray, trainer, engines

@@ -18,10 +18,11 @@ from conftest import relax_cli
 from relax.backends.megatron.checkpoint_layout import MARKER
 from relax.config import ConfigError, parse_config
 from relax.config.rules_training import heartbeat_error
-from relax.core import health
+from relax.observability import heartbeat
 from relax.core.calls import run_bounded, set_watch
 from relax.core.deadlines import Call, RoleFailure, console_line
-from relax.core.health import BOARD_META, HealthManager, process_state, silent_entries, silent_failure
+from relax.core.health import HealthManager, process_state, silent_entries, silent_failure
+from relax.observability.heartbeat import BOARD_META
 from relax.core.health_faults import RankFault
 from relax.core.health_restart import (ATTEMPT_META, RestartLedger, attempt_config, resume_point, step_records,
                                        truncate_metrics)
@@ -262,14 +263,14 @@ def test_rollout_manager_heartbeat_thread(monkeypatch, tmp_path):
                     raise RuntimeError("the board is gone")
                 beats.append(args)
 
-    monkeypatch.setattr(health.ray, "get_actor", lambda name: Board)
-    monkeypatch.setattr(health.ray.util, "get_node_ip_address", lambda: "n")
+    monkeypatch.setattr(heartbeat.ray, "get_actor", lambda name: Board)
+    monkeypatch.setattr(heartbeat.ray.util, "get_node_ip_address", lambda: "n")
     off = parse_config(["--output-dir", str(tmp_path)])
-    assert health.start_heartbeat(SimpleNamespace(config=off), role="rollout") is None
+    assert heartbeat.start_heartbeat(SimpleNamespace(config=off), role="rollout") is None
     on = parse_config(["--output-dir", str(tmp_path), "--use-health-check", "--heartbeat-interval", "0.05",
                        "--heartbeat-timeout", "1"])
     on = attempt_config(on, 0, None)  # the attempt's board name, as the controller sets it
-    thread = health.start_heartbeat(SimpleNamespace(config=on), role="rollout")
+    thread = heartbeat.start_heartbeat(SimpleNamespace(config=on), role="rollout")
     deadline = time.monotonic() + 5
     while len(beats) < 3 and time.monotonic() < deadline:
         time.sleep(0.02)

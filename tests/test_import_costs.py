@@ -1,11 +1,11 @@
 """Start-up import costs: the trainer's modules and the data plane import without torch._dynamo and the inductor
-(relax.backends.megatron.lazy_jit, relax.data.tensordict_import), and Megatron's jit fuser still compiles, at
+(relax.lazy_jit, relax.data.tensordict_import), and Megatron's jit fuser still compiles, at
 its function's first call, with the options it was given."""
 
 import subprocess
 import sys
 
-from relax.backends.megatron.lazy_jit import deferred_compile
+from relax.lazy_jit import deferred_compile
 
 _CHECK = """
 import sys

@@ -13,7 +13,8 @@ from relax.backends.megatron.testing import ensure_single_process
 from relax.config import parse_config
 from relax.roles.megatron_settings import build_reference_trainer
 from relax.roles.reference_process import POLICY, REFERENCE, ReferenceProcess, ReferenceProcessError
-from relax.roles.step_passes import StepPasses, parts_for, streams_old_logprobs
+from relax.config.facts import streams_old_logprobs
+from relax.roles.step_passes import StepPasses, parts_for
 
 
 def _config(tmp_path, model, *extra):

@@ -77,14 +77,28 @@ def index_reward(args, sample):
     return float(sample.metadata["prompt_index"] % 3 == 0)
 
 
-def test_default_hook_paths_are_the_real_defaults(assets):
-    from relax.engine.rollout.data_source import RolloutDataSourceWithBuffer as Alias
-    from relax.engine.rollout.sglang_rollout import generate_rollout
+def test_default_hook_paths_are_the_real_defaults(assets, monkeypatch):
+    """The reference's defaults name the hooks' old modules (relax.engine.*): the loader reads them as the modules
+    that hold the code now (relax.config.hook_paths), silently for a default and with one warning for a path a
+    user gives."""
+    from relax.config import validate
+    from relax.rollout.filters import check_reward_nonzero_std
     from relax.rollout.sglang_rollout import generate_rollout as real
 
+    warnings = []
+    monkeypatch.setattr(validate.logger, "warning", lambda fmt, *args: warnings.append(fmt % args))
     config = make_config(assets)
-    assert load_hook(config.rollout_function_path, "x") is generate_rollout is real
-    assert isinstance(build_data_source(config), Alias) and Alias is RolloutDataSourceWithBuffer
+    assert config.rollout_function_path.startswith("relax.engine.") and "rollout_function_path" not in config.explicit
+    assert load_hook(config.rollout_function_path, "x") is real
+    assert type(build_data_source(config)) is RolloutDataSourceWithBuffer
+    assert not [w for w in warnings if "moved" in w]
+    # a path given that equals the default is the default; another old path is read as its new one, with a warning
+    old = "relax.engine.filters.dynamic_sampling_filters.check_reward_nonzero_std"
+    given = make_config(assets, "--dynamic-sampling-filter-path", old)
+    assert load_hook(given.dynamic_sampling_filter_path, "x") is check_reward_nonzero_std
+    assert [w for w in warnings if "moved" in w] == [
+        f"--dynamic-sampling-filter-path {old}: the module moved to relax.rollout.filters; the old path keeps "
+        "working, relax.rollout.filters.check_reward_nonzero_std is the current one"]
 
 
 @pytest.mark.parametrize("group_requests", [False, True], ids=["per-sample", "per-group"])

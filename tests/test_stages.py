@@ -31,7 +31,7 @@ class FakeGroup:
 
 
 def _stages(calls, *, reference=True, critic=True, teacher=True, interval=None):
-    config = SimpleNamespace(ref_update_interval=interval)
+    config = SimpleNamespace(ref_update_interval=interval, reference_placement="role")
     aux = AuxRoles(config, FakeGroup("reference", calls) if reference else None,
                    critic=FakeGroup("critic", calls) if critic else None,
                    teacher=FakeGroup("teacher", calls) if teacher else None)

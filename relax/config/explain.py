@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 
 from relax.config.config import Config
+from relax.config.facts import NO_REFERENCE, REFERENCE_WHERE
 from relax.config.old_policy import old_policy_source
 from relax.config.redact import redact_values
 from relax.config.support import (IMPLEMENTED, no_effect_dest, no_effect_flags, no_effect_warnings, resource_warnings,
@@ -52,7 +53,7 @@ def batch_arithmetic(config: Config) -> list[str]:
     c = config
     lines = []
     rbs, n = c.rollout_batch_size, c.n_samples_per_prompt
-    samples = (rbs or 0) * n
+    samples = c.samples_per_step
     lines.append(f"rollout step: {rbs} prompts x {n} samples per prompt = {samples} samples")
     if c.over_sampling_batch_size and c.over_sampling_batch_size != rbs:
         lines.append(f"  prompts are requested {c.over_sampling_batch_size} at a time (over-sampling); "
@@ -72,12 +73,13 @@ def batch_arithmetic(config: Config) -> list[str]:
             lines.append(f"  micro batch {c.micro_batch_size} per worker x {dp} data-parallel x "
                          f"{accum} accumulation steps = {gbs}")
         lines.append(f"old-policy log-probs: {old_policy_source(c, max(1, steps)).describe()}")
+    if c.reference_placement != NO_REFERENCE:
+        lines.append(f"reference log-probs: {REFERENCE_WHERE[c.reference_placement]}")
     per_engine = f"{c.rollout_backend}, each on {c.rollout_num_gpus_per_engine} device(s)"
     kind = "external" if c.rollout_external else per_engine
     lines.append(f"rollout engines: {c.num_engines} ({kind}), behind one router")
-    capacity = (rbs or 0) * (c.max_staleness + 1) * n
     lines.append(f"staleness: rollout may run {c.max_staleness} step(s) ahead of training; data queue holds up "
-                 f"to {capacity} samples ({c.num_data_storage_units} storage unit(s))")
+                 f"to {c.data_queue_samples} samples ({c.num_data_storage_units} storage unit(s))")
     if c.num_rollout:
         lines.append(f"run length: {c.num_rollout} rollout steps"
                      + (f" (from --num-epoch {c.num_epoch})" if c.num_epoch and "num_rollout" not in c.explicit else ""))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from relax.config.errors import ConfigError
+from relax.config.facts import samples_per_step
 
 FLAG = "--num-iters-per-train-update"
 
@@ -38,11 +39,11 @@ def check(v: dict[str, Any], dp: int) -> None:
         # the synchronous loop trains a step after its whole rollout: there is nothing to stream into
         raise ConfigError(f"{FLAG} {k} needs --fully-async (the synchronous loop trains a step after its whole "
                           f"rollout); add --fully-async or drop {FLAG}")
-    rbs, n = v["rollout_batch_size"], v["n_samples_per_prompt"]
+    rbs = v["rollout_batch_size"]
     if rbs % k:
         raise ConfigError(f"{FLAG} {k} must divide --rollout-batch-size ({rbs}): each chunk is whole prompt "
                           "groups, so that group-relative advantages are those of the whole step")
-    samples = rbs * n
+    samples = samples_per_step(v)
     if v["global_batch_size"] != samples:
         raise ConfigError(f"{FLAG} {k} needs one optimizer step per rollout step (--num-steps-per-rollout 1, or "
                           f"--global-batch-size {samples} = --rollout-batch-size x --n-samples-per-prompt; now "

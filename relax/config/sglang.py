@@ -16,6 +16,7 @@ import argparse
 from typing import Any
 
 from relax.config.megatron_table import str2bool
+from relax.config.facts import driver_has_gpu
 
 PREFIX = "--sglang-"
 ROUTER_PREFIX = "--sglang-router-"
@@ -97,9 +98,7 @@ def resolve_backend(requested: str) -> str:
         return requested
     if not sglang_available():
         return "embedded"
-    import torch  # only when there is a choice to make: importing torch takes seconds
-
-    return "sglang" if torch.cuda.is_available() else "embedded"
+    return "sglang" if driver_has_gpu() else "embedded"
 
 
 def add_sglang_flags(parser: argparse.ArgumentParser, use_sglang_parser: bool | None = None) -> str:

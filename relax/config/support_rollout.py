@@ -2,8 +2,8 @@
 code and test."""
 
 ROLLOUT_FEATURES: frozenset[str] = frozenset({
-    # hooks with real default implementations (relax.rollout.sglang_rollout, relax.rollout.buffer; named by
-    # their compatibility paths relax.engine.rollout.*)
+    # hooks with real default implementations (relax.rollout.sglang_rollout, relax.rollout.buffer; the defaults
+    # name their old paths relax.engine.rollout.*, read as these by relax.config.hook_paths)
     "data_source_path", "rollout_function_path",
     # over-sampling and filtering
     "over_sampling_batch_size", "dynamic_sampling_filter_path", "buffer_filter_path",

@@ -17,13 +17,13 @@ SERVING_FEATURES: frozenset[str] = frozenset({
     # a worker failing N health checks / requests in a row is removed (server.py RelaxRouter.failed):
     # test_failure_threshold_removes_a_failing_worker
     "slime_router_health_check_failure_threshold",
-    # the GenRM (relax/rollout/genrm/service.py: engines and router started by relax/roles/rollout.py,
+    # the GenRM (relax/roles/genrm.py: engines and router started by relax/roles/rollout.py,
     # never push targets; relax/rollout/rewards/genrm.py: the judge the reward runner calls for reward type
     # genrm): tests/test_genrm_e2e.py (a run judged by the tiny model on its own engine, with a custom parser, its
     # sampling and engine options) and tests/test_genrm.py (default parser and template, hooks by dotted path,
     # --reward-error-policy on unparseable verdicts, the checks before Ray)
     "genrm_model_path", "genrm_engine_config", "genrm_sampling_config", "genrm_template_path", "genrm_parser_path",
-    # the GenRM engines' count (relax/rollout/genrm/service.py genrm_num_engines; tests/test_genrm.py
+    # the GenRM engines' count (relax/roles/genrm.py genrm_num_engines; tests/test_genrm.py
     # test_genrm_engine_count); per-engine GPUs reach the engines as --rollout-num-gpus-per-engine does (not run
     # on a GPU here)
     "genrm_num_gpus", "genrm_num_gpus_per_engine",

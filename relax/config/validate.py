@@ -14,8 +14,9 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
-from relax.config import rules_arch, rules_recompute, rules_rollout, rules_streaming, rules_training
+from relax.config import facts, rules_arch, rules_recompute, rules_rollout, rules_streaming, rules_training
 from relax.config.errors import ConfigError
+from relax.config.hook_paths import current_module, moved_path_warning
 from relax.config.presets import apply_embedded_default
 from relax.config.sglang import owned_flag_error, resolve_backend
 from relax.data.prompt_files import PromptDataError, count_prompt_records
@@ -244,7 +245,7 @@ def check_modes(v: dict, explicit) -> None:
 
 
 def check_colocate(v: dict) -> None:
-    """--colocate puts engine i on trainer rank i's device (relax.core.placement.colocated_bundles)."""
+    """--colocate puts engine i on trainer rank i's device (relax.roles.placement.colocated_bundles)."""
     if v["rollout_external"]:
         raise ConfigError("--colocate cannot share devices with --rollout-external engines; drop one of them")
     res = v["resource"] or {}
@@ -295,6 +296,9 @@ def check_hooks(v: dict, explicit) -> None:
         path = v.get(dest)
         if path and dest in explicit:
             import_hook(path, flag(dest))
+            moved = moved_path_warning(path, flag(dest))
+            if moved:
+                logger.warning("%s", moved)
 
 
 def load_hook(path: str | None, flag_name: str) -> Callable | None:
@@ -307,7 +311,7 @@ def import_hook(path: str, flag_name: str = "hook") -> Callable:
     if not module_name:
         raise ConfigError(f"{flag_name}: {path!r} is not a dotted path like package.module.function")
     try:
-        module = importlib.import_module(module_name)
+        module = importlib.import_module(current_module(module_name))  # a moved module: relax.config.hook_paths
     except Exception as exc:
         raise ConfigError(f"{flag_name}: cannot import module {module_name!r} ({type(exc).__name__}: {exc})") from None
     if not hasattr(module, attr):
@@ -414,7 +418,7 @@ def derive(v: dict, explicit) -> None:
     if v["num_rollout"] is None and v["num_epoch"] is not None and v["prompt_data"]:
         per_step = v["rollout_batch_size"]
         v["num_rollout"] = max(1, v["num_epoch"] * count_prompts(v) // per_step)
-    samples = (v["rollout_batch_size"] or 0) * v["n_samples_per_prompt"]
+    samples = facts.samples_per_step(v)
     if v["num_steps_per_rollout"] is not None and samples:
         if samples % v["num_steps_per_rollout"]:
             raise ConfigError(f"--num-steps-per-rollout ({v['num_steps_per_rollout']}) must divide the samples per "
@@ -443,52 +447,55 @@ DERIVED_FACTS: dict[str, str] = {
     "data_parallel_size": "actor_world_size / (tensor x pipeline x context parallel)",
     "num_engines": "rollout engines: the --rollout-external-engine-addrs, else the --resource rollout GPUs / "
                    "--rollout-num-gpus-per-engine (at least one)",
+    "samples_per_step": "samples of one rollout step: --rollout-batch-size x --n-samples-per-prompt",
+    "data_queue_samples": "samples the data plane holds at most: samples_per_step x (--max-staleness + 1)",
+    "model_parallel_size": "ranks holding one copy of the model: tensor x pipeline x context parallel",
+    "reference_placement": "where the reference log-probs are computed: none | role (its own actors) | in_rank "
+                           "(the actor ranks' processes) | child_process (a child of the one actor rank) | "
+                           "streamed (that child, also streaming later updates' old-policy rows); see "
+                           "relax.config.facts.reference_placement",
 }
-
-
-def _workers(v: dict, role: str) -> int:
-    replicas, gpus = v["resource"].get(role, [1, 1])
-    return replicas * gpus
 
 
 def derived_facts(v: dict) -> dict[str, Any]:
     """`DERIVED_FACTS` of completed values (after `validate_and_derive`)."""
-    world = _workers(v, "actor")
-    model_parallel = v["tensor_model_parallel_size"] * v["pipeline_model_parallel_size"] * v["context_parallel_size"]
+    world = facts.role_workers(v, "actor")
     if v["rollout_external"]:
         engines = len(v["rollout_external_engine_addrs"] or [])
     else:
-        engines = max(1, _workers(v, "rollout") // v["rollout_num_gpus_per_engine"])
-    return {"actor_world_size": world, "data_parallel_size": max(1, world // model_parallel),
-            "num_engines": engines}
+        engines = max(1, facts.role_workers(v, "rollout") // v["rollout_num_gpus_per_engine"])
+    return {"actor_world_size": world, "data_parallel_size": facts.data_parallel_size(v),
+            "num_engines": engines, "samples_per_step": facts.samples_per_step(v),
+            "data_queue_samples": facts.data_queue_samples(v),
+            "model_parallel_size": facts.model_parallel_size(v),
+            "reference_placement": facts.reference_placement(v, world)}
 
 
 def check_batch_arithmetic(v: dict, explicit) -> None:
-    samples = (v["rollout_batch_size"] or 0) * v["n_samples_per_prompt"]
+    samples = facts.samples_per_step(v)
     gbs = v["global_batch_size"]
     if samples and gbs and samples % gbs:
         raise ConfigError(f"--global-batch-size ({gbs}) must divide the samples per rollout ({samples} = "
                           "--rollout-batch-size x --n-samples-per-prompt)")
-    facts = derived_facts(v)
-    world, dp = facts["actor_world_size"], facts["data_parallel_size"]
+    world, model_parallel = facts.role_workers(v, "actor"), facts.model_parallel_size(v)
+    dp = facts.data_parallel_size(v)
     if world < 1:
         raise ConfigError(f"--resource actor {v['resource'].get('actor')} has no worker; the trainer needs at least "
                           "one (replicas x GPUs >= 1)")
-    model_parallel = v["tensor_model_parallel_size"] * v["pipeline_model_parallel_size"] * v["context_parallel_size"]
     if world % model_parallel:
         raise ConfigError(f"--resource actor has {world} workers, not divisible by tensor x pipeline x context "
                           f"parallel = {model_parallel}")
     if gbs and not v["use_dynamic_batch_size"] and gbs % (v["micro_batch_size"] * dp):
         raise ConfigError(f"--global-batch-size ({gbs}) must be a multiple of --micro-batch-size "
                           f"({v['micro_batch_size']}) x data-parallel size ({dp})")
-    gpus = _workers(v, "rollout")
+    gpus = facts.role_workers(v, "rollout")
     if not v["rollout_external"] and gpus and gpus % v["rollout_num_gpus_per_engine"]:
         raise ConfigError(f"--resource rollout has {gpus} GPUs, not a multiple of --rollout-num-gpus-per-engine "
                           f"({v['rollout_num_gpus_per_engine']})")
 
 
 def check_streaming_chunks(v: dict, explicit) -> None:
-    rules_streaming.check(v, derived_facts(v)["data_parallel_size"])
+    rules_streaming.check(v, facts.data_parallel_size(v))
 
 
 POST_DERIVE_RULES = (check_batch_arithmetic, check_streaming_chunks)

@@ -41,7 +41,7 @@ from the same prompts: no sample is trained twice and none is lost.
 Shutdown, SIGINT or an error in any stage: the training thread raises (the stage named by the controller's
 bounded calls; a rollout failure as "rollout generate, step N"), the window stops, and the rollout thread
 stops waiting for its running call (the controller's shutdown kills the actors; the call's ref is in
-`Controller._in_flight_async`, so the shutdown does not queue behind it).
+`RunContext.in_flight_async`, so the shutdown does not queue behind it).
 
 Streaming chunks (--num-iters-per-train-update K > 1, relax.core.streaming): the rollout thread generates each
 step in K chunks and hands each to the training thread as it is stored; the training thread starts step N as
@@ -62,14 +62,13 @@ from typing import Any, Callable
 
 import ray
 
-from relax.backends.engine_client import EngineClient
-from relax.core.calls import POLL_S, run_bounded
-from relax.core.checkpointing import save_checkpoint
-from relax.core.deadlines import FLAGS, Call, RoleFailure
+from relax.core.calls import POLL_S
+from relax.core.deadlines import Call, RoleFailure
+from relax.core.run_context import RunContext
 from relax.core.stages import run_group
+from relax.core.step_tail import StepTimes, finish_step
 from relax.core.streaming import train_chunks
 from relax.observability import timeline
-from relax.observability.accounting import step_problems
 
 logger = logging.getLogger("relax")
 
@@ -243,61 +242,40 @@ def run_window(window: StalenessWindow, generate: Callable[[int], Any], train: C
             thread.join(join_s)  # a call that does not stop is left to the shutdown (actors killed)
 
 
-class _RolloutPosition:
-    """The rollout role as a checkpoint reads it (`state_dict.remote()`): its position kept for one step."""
-
-    def __init__(self) -> None:
-        self.state: Any = None
-        self.state_dict = self  # save_checkpoint calls `rollout.state_dict.remote()`
-
-    def remote(self) -> Any:
-        return ray.put(self.state)
-
-
-class _CheckpointView:
-    """What `save_checkpoint` reads of the controller, with the rollout position of the saved step. One view
-    per loop: an --async-save in flight is keyed by it, and the next save waits for it."""
-
-    def __init__(self, controller: Any):
-        self.config, self.workers, self.aux = controller.config, controller.workers, controller.aux
-        self.rollout = _RolloutPosition()
-
-
 class AsyncLoop:
-    """The controller's fully-async loop (see the module docstring). Uses the controller's roles, stages,
-    data plane and bounded calls; changes nothing in the synchronous loop."""
+    """The fully-async loop (see the module docstring) over one run's roles, stages and bounded calls
+    (relax.core.run_context); each trained step ends with the synchronous loop's tail (relax.core.step_tail)."""
 
-    def __init__(self, controller: Any):
-        self.ctl = controller
-        self.c = controller.config
-        self.window = StalenessWindow(controller.start_step, self.c.num_rollout, int(self.c.max_staleness))
-        self._ckpt = _CheckpointView(controller)
+    def __init__(self, run: RunContext):
+        self.ctx = run
+        self.c = run.config
+        self.window = StalenessWindow(run.start_step, self.c.num_rollout, int(self.c.max_staleness))
         self.chunks = int(self.c.num_iters_per_train_update or 1)  # > 1: each step streams in chunks
         # the passes of frozen models in roles of their own run as soon as a step is generated, beside the
         # training of earlier steps (relax.core.stages.Stages.ahead); a streamed step trains as it arrives
-        self.ahead = controller.stages.ahead() if self.chunks == 1 else ()
+        self.ahead = run.stages.ahead() if self.chunks == 1 else ()
 
     # ------------------------------------------------------------------ the rollout thread
     def generate(self, step: int) -> dict[str, Any]:
-        ctl = self.ctl
+        run = self.ctx
         start = time.time()
         call = Call("rollout", "generate", step=step)
         try:
             if self.chunks == 1:
-                metrics = self._rollout_call(ctl.rollout.generate.remote(step))
+                metrics = self._rollout_call(run.rollout.generate.remote(step))
             else:  # each chunk stored goes to the training thread at once (relax.core.streaming)
                 for chunk in range(self.chunks):
-                    out = self._rollout_call(ctl.rollout.generate.remote(step, chunk, self.chunks))
+                    out = self._rollout_call(run.rollout.generate.remote(step, chunk, self.chunks))
                     self.window.chunk_finished(step, chunk, {"indexes": out["indexes"], "end": time.time()})
                 metrics = out["metrics"]
             # the position after this step, before the next one starts: what a checkpoint after it holds
-            state = ray.get(ctl.rollout.state_dict.remote()) if self.c.save else None
+            state = ray.get(run.rollout.state_dict.remote()) if self.c.save else None
         except _Stopped:
             raise
         except Exception as exc:
             failure = RoleFailure(call, exc)
             if "GenerationError" in str(failure):
-                failure.add_detail(ctl._silent_engines())
+                failure.add_detail(run.silent_engines())
             raise failure from exc
         end = time.time()
         timeline.record("rollout", start, end, step=step, cat="rollout")
@@ -305,12 +283,12 @@ class AsyncLoop:
 
     def _rollout_call(self, ref: Any) -> Any:
         """The rollout role's call `ref`, waited for in short slices while the window runs."""
-        ctl = self.ctl
-        ctl._in_flight_async = [(ctl.rollout, ref)]
+        run = self.ctx
+        run.in_flight_async = [(run.rollout, ref)]
         while not ray.wait([ref], timeout=POLL_S)[0]:
-            if self.window.stopping:  # the call stays in _in_flight_async: the shutdown does not wait behind it
+            if self.window.stopping:  # the call stays in in_flight_async: the shutdown does not wait behind it
                 raise _Stopped()
-        ctl._in_flight_async = []
+        run.in_flight_async = []
         return ray.get(ref)
 
     # ------------------------------------------------------------------ the passes ahead of training
@@ -322,66 +300,33 @@ class AsyncLoop:
 
     # ------------------------------------------------------------------ the training thread
     def train(self, step: int, rollout: dict[str, Any] | None) -> None:
-        ctl, c = self.ctl, self.c
-        t0 = time.perf_counter()
+        run, c = self.ctx, self.c
         train_start = time.time()
         trained: dict[str, float] = {}
         if self.chunks > 1:  # rollout None: the step streams (run_window's `streaming`)
-            trained = train_chunks(ctl, self.window, step, self.chunks)
+            trained = train_chunks(run, self.window, step, self.chunks)
             rollout = self.window.wait_finished(step)
             trained["async/first_chunk_lead_time"] = rollout["end"] - trained["async/first_chunk_train_start"]
         metrics = dict(rollout["metrics"])
         if "ahead" in rollout:  # > 0: the passes ended before this step's training began
             metrics.update(rollout["ahead"])
             metrics["async/ahead_lead_time"] = train_start - rollout["ahead_end"]
-        metrics["data/step_samples"] = float(ctl._data_call("count the step's samples", step, ctl.data.size))
-        metrics.update(ctl._data_call("read the step's weight versions", step, self._version_metrics))
-        will_sync = (step + 1) % c.update_weights_interval == 0 and not (c.debug_rollout_only or c.debug_train_only)
+        metrics["data/step_samples"] = float(run.data_call("count the step's samples", step, run.data.size))
+        metrics.update(run.data_call("read the step's weight versions", step, self._version_metrics))
         metrics.update(trained)
         if not c.debug_rollout_only and self.chunks == 1:
-            for group in ctl.stages.plan(without=self.ahead):  # the synchronous loop's stages (relax.core.stages)
+            for group in run.stages.plan(without=self.ahead):  # the synchronous loop's stages (relax.core.stages)
                 metrics.update(run_group(group, step))
         # what the rollout had started beyond this step while it trained
         metrics["async/queue_depth"] = float(self.window.queue_depth())
-        t1 = time.perf_counter()
-        ctl._data_call("clear the step", step, ctl.data.clear)
-        sync_time = 0.0
-        if will_sync:
-            with timeline.span("weight_push", step=step, cat="weights"):
-                sync = self.push_weights(step)
-            sync_time = time.perf_counter() - t1
-            metrics.update({"perf/weight_sync_bytes": float(sync["bytes"]),
-                            "perf/weight_sync_bytes_per_s": sync["bytes_per_s"], "weights/version": float(step + 1)})
-        train_end = time.time()
-        t2 = time.perf_counter()
-        if c.save and ((c.save_interval and (step + 1) % c.save_interval == 0) or step + 1 == c.num_rollout):
-            self._ckpt.rollout.state = rollout["state"]
-            with timeline.span("save", step=step, cat="checkpoint"):
-                run_bounded(lambda: save_checkpoint(self._ckpt, step + 1), Call("checkpoint", "save", step=step),
-                            deadline_s=ctl.deadlines.train_s, flag=FLAGS["train"])
-        step_time = train_end - rollout["start"]
-        metrics.update({
-            "perf/rollout_time": rollout["end"] - rollout["start"], "perf/train_time": t1 - t0,
-            "perf/weight_sync_time": sync_time, "perf/save_time": time.perf_counter() - t2,
-            "perf/step_time": step_time,
-            "perf/tokens_per_s": metrics.get("train/tokens", 0.0) / step_time,
-            "perf/samples_per_s": metrics.get("rollout/num_samples", 0.0) / step_time,
-            "async/rollout_start": rollout["start"], "async/rollout_end": rollout["end"],
-            "async/train_start": train_start, "async/train_end": train_end,
-        })
-        if ctl._eval_enabled() and (step + 1) % c.eval_interval == 0:
-            with timeline.span("evaluation", step=step, cat="rollout"):
-                metrics.update(ctl._rollout_call("evaluate", "evaluation", step + 1, step + 1))
-        ctl.accounting.add(metrics)
-        for problem in step_problems(metrics, trained_expected=not c.debug_rollout_only):
-            logger.warning("step %d: sample accounting: %s", step, problem)
-        ctl.log_step(step, metrics)  # with --use-metrics-service: merged with the roles' reports of the step
-        timeline.record(f"train step {step}", train_start, train_end, step=step, cat="step")
+        times = StepTimes(rollout["start"], rollout["end"], train_start, time.time())
+        finish_step(run, step, metrics, times, trained=not c.debug_rollout_only,
+                    rollout_state=lambda: rollout["state"])
 
     def _version_metrics(self, step: int) -> dict[str, float]:
         """Staleness of the step's samples against the trainer's version (`step` updates made) and the
         indexes it trains."""
-        samples = self.ctl.data.get(step, fields=("weight_version",))
+        samples = self.ctx.data.get(step, fields=("weight_version",))
         if not samples:
             return {}
         lags = [step - int(s.weight_version) for s in samples]
@@ -390,43 +335,10 @@ class AsyncLoop:
                 "async/index_min": float(min(indexes)), "async/index_max": float(max(indexes)),
                 "async/num_indexes": float(len(set(indexes)))}
 
-    def push_weights(self, step: int) -> dict[str, Any]:
-        """Pause every engine of the push in place, push version step+1, continue them (also on failure)."""
-        ctl, c = self.ctl, self.c
-        ctl.engine_urls = ctl._rollout_call("push_targets", "engines for the weight push", step)
-        clients = [EngineClient(url, timeout_s=ctl.deadlines.control_s) for url in ctl.engine_urls]
-        paused: list[EngineClient] = []
-        try:
-            for client in clients:
-                run_bounded(lambda: client.pause("in_place"),
-                            Call("rollout", f"pause generation on {client.base_url}", step=step),
-                            deadline_s=ctl.deadlines.control_s, flag=FLAGS["control"])
-                paused.append(client)
-            reports = ctl._trainers("push_weights", "weight push", step, ctl.engine_urls, step + 1,
-                                    c.update_weight_buffer_size)
-            ctl._rollout_call("weights_pushed", "weight version", step, step + 1, ctl.engine_urls)
-        finally:
-            for client in paused:
-                try:
-                    run_bounded(client.resume, Call("rollout", f"continue generation on {client.base_url}",
-                                                    step=step),
-                                deadline_s=ctl.deadlines.control_s, flag=FLAGS["control"])
-                finally:
-                    client.close()
-            for client in clients:
-                if client not in paused:
-                    client.close()
-        return reports[0]
-
     # ------------------------------------------------------------------ the whole loop
     def run(self) -> None:
-        ctl, c = self.ctl, self.c
-        if ctl._eval_enabled() and not c.skip_eval_before_train:
-            before = ctl._rollout_call("evaluate", "evaluation", ctl.start_step, ctl.start_step)
-            ctl.metrics.log(ctl.start_step, {**before, "eval/before_train": 1.0})
-        logger.info("fully-async: rollout up to %d step(s) ahead of training", c.max_staleness)
+        self.ctx.evaluate_before_training()
+        logger.info("fully-async: rollout up to %d step(s) ahead of training", self.c.max_staleness)
         run_window(self.window, self.generate, self.train, streaming=self.chunks > 1,
                    prepare=self.prepare if self.ahead else None)
-        if ctl.accounting.steps:
-            logger.info("%s (%s)", ctl.accounting.summary_line(), ctl.accounting.write(c.output_dir))
-
+        self.ctx.summarize()

@@ -105,7 +105,7 @@ def _worker_load_model_only(worker: Any, path: str, step: Optional[int]) -> str:
     return worker.trainer.load_weights(path, step)
 
 
-# ============================================================================ controller side
+# ============================================================================ driver side
 class _Pending:
     """An async save in flight: the thread that waits for the trainer ranks, then completes it."""
 
@@ -113,16 +113,15 @@ class _Pending:
         self.rollout_id, self.thread, self.box = rollout_id, thread, box
 
 
-# id(controller) -> (controller, the async save in flight)
-_PENDING: dict[int, tuple[Any, _Pending]] = {}
+# the save root (resolved) -> its async save in flight: a root has at most one, and its next save waits for it
+_PENDING: dict[str, _Pending] = {}
 
 
-def wait_for_pending_save(controller: Any) -> None:
-    """Block until an async save of `controller` is complete (its marker written); raise if it failed."""
-    entry = _PENDING.pop(id(controller), None)
-    if entry is None:
+def wait_for_pending_save(save_root: str | Path) -> None:
+    """Block until an async save under `save_root` is complete (its marker written); raise if it failed."""
+    pending = _PENDING.pop(str(Path(save_root).resolve()), None)
+    if pending is None:
         return
-    pending = entry[1]
     pending.thread.join()
     if pending.box.get("error") is not None:
         raise CheckpointError(f"async checkpoint {pending.rollout_id} failed: {pending.box['error']}")
@@ -143,14 +142,16 @@ def _hf_path(config: Any, rollout_id: int) -> Optional[Path]:
     return Path(str(config.save_hf).replace("{rollout_id}", str(rollout_id)))
 
 
-def save_checkpoint(controller: Any, rollout_id: int, final: bool = False) -> Path:
-    """Save the run at `rollout_id` under --save (see the module docstring). Returns the iter_* path (with
-    --async-save it appears once the background write is done). `final`: the run stops after this save (its last
-    step, or an early stop of relax.core.run_control), so it is written synchronously."""
-    config = controller.config
+def save_checkpoint(config: Any, workers: list[Any], aux: Any, rollout_state: Any, rollout_id: int,
+                    final: bool = False) -> Path:
+    """Save the run at `rollout_id` under --save (see the module docstring): the trainer ranks `workers`, the
+    auxiliary roles `aux` (relax.core.roles.AuxRoles, or None) and the rollout position `rollout_state` (the
+    rollout manager's `state_dict()` after the saved step). Returns the iter_* path (with --async-save it appears
+    once the background write is done). `final`: the run stops after this save (its last step, or an early stop
+    of relax.core.run_control), so it is written synchronously."""
     root = Path(config.save)
     root.mkdir(parents=True, exist_ok=True)
-    wait_for_pending_save(controller)
+    wait_for_pending_save(root)
     layout.remove_leftovers(root)
     path = iter_dir(root, rollout_id)
     tmp = layout.staging_dir(root, rollout_id)
@@ -165,16 +166,15 @@ def save_checkpoint(controller: Any, rollout_id: int, final: bool = False) -> Pa
     t0 = time.perf_counter()
     infos = ray.get([w.__ray_call__.remote(_worker_save, str(tmp / "actor"), save_optim, background,
                                            str(hf_tmp) if hf_tmp is not None else None)
-                     for w in controller.workers])
-    if controller.aux is not None:
-        controller.aux.save(str(tmp))
-    rollout_state = ray.get(controller.rollout.state_dict.remote())
+                     for w in workers])
+    if aux is not None:
+        aux.save(str(tmp))
     meta = next(i["meta"] for i in infos if i["meta"] is not None)
     hf_parts = [i["hf"] for i in infos if i.get("hf")]
 
     def complete() -> None:
         if background:
-            _wait_workers(controller.workers)
+            _wait_workers(workers)
         _finish(root, rollout_id, tmp, meta, rollout_state, config, hf_tmp, hf_final, hf_parts)
         logger.info("checkpoint %d saved to %s in %.1fs%s", rollout_id, path, time.perf_counter() - t0,
                     " (async)" if background else "")
@@ -192,7 +192,7 @@ def save_checkpoint(controller: Any, rollout_id: int, final: bool = False) -> Pa
             logger.error("async checkpoint %d failed: %s", rollout_id, box["error"])
 
     thread = threading.Thread(target=run, name=f"relax-ckpt-{rollout_id}", daemon=True)
-    _PENDING[id(controller)] = (controller, _Pending(rollout_id, thread, box))
+    _PENDING[str(root.resolve())] = _Pending(rollout_id, thread, box)
     thread.start()
     return path
 
@@ -241,10 +241,13 @@ def rotate_checkpoints(root: str | Path, keep: Optional[int], retain_interval: O
 
 
 # ============================================================================ resume
-def resume_from(controller: Any, load: Optional[str]) -> None:
-    """Restore the run from --load (see the module docstring); with no checkpoint there, start from
-    --pretrained-checkpoint's weights when it is given, else from step 0 as built."""
-    config = controller.config
+def resume_from(config: Any, workers: list[Any], aux: Any, rollout: Any, engine_urls: list[str],
+                load: Optional[str]) -> int:
+    """Restore the run from --load (see the module docstring) into the trainer ranks `workers`, the auxiliary
+    roles `aux` and the rollout manager `rollout`, and push the loaded weights to `engine_urls`; with no
+    checkpoint there, start from --pretrained-checkpoint's weights when it is given, else from step 0 as built.
+    Returns the step the run starts at."""
+    parts = (config, workers, engine_urls)
     # --ckpt-step picks an iteration of the checkpoint that is loaded: --load's once it holds one, else the
     # pretrained one (as in Megatron-LM, whose --pretrained-checkpoint is read only while --load holds none)
     step = config.get("ckpt_step")
@@ -253,14 +256,13 @@ def resume_from(controller: Any, load: Optional[str]) -> None:
     if rollout_id is None:
         pretrained = config.get("pretrained_checkpoint")
         if pretrained:
-            _load_model_only(controller, pretrained, step, "--pretrained-checkpoint")
-        elif load:
+            return _load_model_only(*parts, pretrained, step, "--pretrained-checkpoint")
+        if load:
             logger.info("--load %s holds no checkpoint yet; starting from step 0", load)
-        return
+        return 0
     path = iter_dir(load, rollout_id)
     if config.get("finetune"):
-        _load_model_only(controller, str(path), None, f"--load {load} with --finetune")
-        return
+        return _load_model_only(*parts, str(path), None, f"--load {load} with --finetune")
     actor = path / "actor"
     if not layout.is_saved(actor):
         raise CheckpointError(f"--load {load}: iteration {rollout_id} is not a complete checkpoint "
@@ -274,37 +276,38 @@ def resume_from(controller: Any, load: Optional[str]) -> None:
     if config.no_load_optim:
         logger.warning("--no-load-optim: loading only the weights and RNG of %s; the optimizer and LR schedule "
                        "start fresh", path)
-        ray.get([w.__ray_call__.remote(_worker_load_weights_only, str(actor)) for w in controller.workers])
+        ray.get([w.__ray_call__.remote(_worker_load_weights_only, str(actor)) for w in workers])
     else:
-        ray.get([w.load.remote(str(actor)) for w in controller.workers])
-    if controller.aux is not None:
-        controller.aux.load(str(path))
-    ray.get(controller.rollout.load_state_dict.remote(layout.read_run_state(path)))
+        ray.get([w.load.remote(str(actor)) for w in workers])
+    if aux is not None:
+        aux.load(str(path))
+    ray.get(rollout.load_state_dict.remote(layout.read_run_state(path)))
     start = config.start_rollout_id
-    controller.start_step = rollout_id if start is None else start
-    _push_loaded_weights(controller, rollout_id)
-    logger.info("resumed from %s at rollout step %d", path, controller.start_step)
+    start_step = rollout_id if start is None else start
+    _push_loaded_weights(*parts, rollout_id)
+    logger.info("resumed from %s at rollout step %d", path, start_step)
     newer = [i for i, _ in layout.iterations(load) if i > rollout_id]
     if step is not None and newer and config.save and Path(config.save).resolve() == Path(load).resolve():
         logger.warning("--ckpt-step %d: --save %s also holds later iterations %s of an earlier run; this run's saves "
                        "of the same steps replace them", rollout_id, config.save, newer)
+    return start_step
 
 
-def _load_model_only(controller: Any, path: str, step: Optional[int], what: str) -> None:
+def _load_model_only(config: Any, workers: list[Any], engine_urls: list[str], path: str, step: Optional[int],
+                     what: str) -> int:
     """Megatron-LM's --finetune: the weights of `path` (a Relax checkpoint, save root or HF folder) into every
     trainer rank; the run starts at step 0 (or --start-rollout-id) with a fresh optimizer, LR schedule and
     rollout position, and the engines get these weights before the first rollout."""
-    config = controller.config
-    kinds = ray.get([w.__ray_call__.remote(_worker_load_model_only, path, step) for w in controller.workers])
+    kinds = ray.get([w.__ray_call__.remote(_worker_load_model_only, path, step) for w in workers])
     start = config.start_rollout_id
-    controller.start_step = 0 if start is None else start
-    _push_loaded_weights(controller, controller.start_step)
+    start_step = 0 if start is None else start
+    _push_loaded_weights(config, workers, engine_urls, start_step)
     logger.info("%s: loaded the weights of %s (%s) only; starting at rollout step %d with a fresh optimizer, LR "
-                "schedule and rollout position", what, path, kinds[0], controller.start_step)
+                "schedule and rollout position", what, path, kinds[0], start_step)
+    return start_step
 
 
-def _push_loaded_weights(controller: Any, version: int) -> None:
+def _push_loaded_weights(config: Any, workers: list[Any], engine_urls: list[str], version: int) -> None:
     """The engines serve the weights just loaded (as `version`) before the first rollout."""
-    if controller.engine_urls:
-        ray.get([w.push_weights.remote(controller.engine_urls, version, controller.config.update_weight_buffer_size)
-                 for w in controller.workers])
+    if engine_urls:
+        ray.get([w.push_weights.remote(engine_urls, version, config.update_weight_buffer_size) for w in workers])

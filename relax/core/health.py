@@ -3,7 +3,7 @@ of the data plane's actors and the metrics service, so that a hung worker is tol
 within --heartbeat-timeout instead of --train-step-timeout (or, for the rollout manager, whose step has no
 deadline of its own, at all).
 
-* Worker side: each Megatron rank (trainer, reference, teacher, critic: `relax.roles.megatron_rank.MegatronRank`)
+* Worker side (relax.observability.heartbeat): each Megatron rank (trainer, reference, teacher, critic: `relax.roles.megatron_rank.MegatronRank`)
   starts `start_heartbeat(self)` in its constructor, and the rollout manager (`relax.roles.rollout.
   RolloutManager`, one actor: role "rollout", rank None) `start_heartbeat(self, role="rollout")`: a daemon
   thread of its own that sends (role, rank, pid, node) to the run's `HeartbeatBoard` every --heartbeat-interval.
@@ -41,10 +41,9 @@ import ray
 from relax.config.errors import ConfigError
 from relax.config.rules_training import heartbeat_error
 from relax.core.deadlines import Call, RoleFailure
+from relax.observability.heartbeat import BOARD_META, HeartbeatBoard, worker_name
 
 logger = logging.getLogger("relax")
-BOARD_META = "health_board"  # config.meta key: the name of the attempt's HeartbeatBoard actor
-LOOKUP_S = 60.0  # how long a rank looks for the board (it is created before the ranks, normally found at once)
 
 
 class WorkerSilent(RuntimeError):
@@ -53,74 +52,6 @@ class WorkerSilent(RuntimeError):
 
 # The Megatron roles, whose ranks a restart can replace alone (relax.core.health_restart)
 MEGATRON_ROLES = frozenset({"trainer", "reference", "teacher", "critic"})
-
-
-@ray.remote(num_cpus=0)
-class HeartbeatBoard:
-    """When each (role, rank) last beat, by this actor's monotonic clock, with its pid and node."""
-
-    def __init__(self):
-        self.seen: dict[tuple[str, int], dict[str, Any]] = {}
-
-    def beat(self, role: str, rank: Optional[int], pid: int, node: str) -> None:
-        self.seen[(role, rank)] = {"role": role, "rank": rank, "pid": pid, "node": node, "t": time.monotonic()}
-
-    def forget(self, roles: list[str]) -> None:
-        """Drop the entries of `roles` (their ranks were replaced; the new ones beat under the same names)."""
-        self.seen = {key: entry for key, entry in self.seen.items() if entry["role"] not in roles}
-
-    def snapshot(self) -> list[dict[str, Any]]:
-        now = time.monotonic()
-        return [{**entry, "age_s": now - entry["t"]} for entry in self.seen.values()]
-
-
-# ============================================================================ worker side
-def _role_of(worker: Any) -> str:
-    # ReferenceWorker sets `role` ("reference" or "teacher") after the base constructor has run: read it per beat.
-    return getattr(worker, "role", None) or type(worker).__name__.replace("Worker", "").lower()
-
-
-def worker_name(role: str, rank: Optional[int]) -> str:
-    """A worker as failures and the restart count name it: "trainer rank 1", or "rollout" for a single actor."""
-    return role if rank is None else f"{role} rank {rank}"
-
-
-def start_heartbeat(worker: Any, role: Optional[str] = None) -> Optional[threading.Thread]:
-    """Start the heartbeat thread of a worker (`worker.config`) when the run has --use-health-check; None
-    otherwise. `role` None: a Megatron rank (`worker.rank`, its role from the worker); else a role of one actor
-    (the rollout manager: "rollout"), which beats with rank None, as the controller's calls into it name it."""
-    config = worker.config
-    name = config.meta.get(BOARD_META) if config.use_health_check else None
-    if not name:
-        return None
-    interval = float(config.heartbeat_interval)
-    node = ray.util.get_node_ip_address()
-    pid = os.getpid()
-
-    def run() -> None:
-        board = None
-        deadline = time.monotonic() + LOOKUP_S
-        while board is None:
-            try:
-                board = ray.get_actor(name)
-            except ValueError:  # not registered yet
-                if time.monotonic() > deadline:
-                    logger.warning("heartbeat: no board %s after %.0f s; this worker sends none", name, LOOKUP_S)
-                    return
-                time.sleep(0.2)
-        while True:
-            try:
-                if role is None:
-                    board.beat.remote(_role_of(worker), worker.rank, pid, node)
-                else:
-                    board.beat.remote(role, None, pid, node)
-            except Exception:  # the board is gone: the attempt is over
-                return
-            time.sleep(interval)
-
-    thread = threading.Thread(target=run, name="relax-heartbeat", daemon=True)
-    thread.start()
-    return thread
 
 
 # ============================================================================ driver side

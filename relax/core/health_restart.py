@@ -28,15 +28,19 @@ import os
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from relax.backends.megatron.checkpoint_layout import latest_iteration
 from relax.config.config import Config
 from relax.core.deadlines import Call, RoleFailure
-from relax.core.health import BOARD_META, MEGATRON_ROLES, new_board_name
+from relax.core.health import MEGATRON_ROLES, new_board_name
 from relax.observability.accounting import PREFIX as ACCOUNTING_PREFIX
 from relax.observability.accounting import RunAccounting
+from relax.observability.heartbeat import BOARD_META
 from relax.observability.notify import Notifier
+
+if TYPE_CHECKING:  # the controller imports this module
+    from relax.core.controller import Controller
 
 logger = logging.getLogger("relax")
 trace_log = logging.getLogger("relax.trace")  # tracebacks: the run's log file only
@@ -65,7 +69,7 @@ def restart_cannot_help(exc: BaseException) -> Optional[str]:
     return next((why for name, why in NOT_RESTARTED.items() if name in text), None)
 
 
-def megatron_roles_alone(controller: Any, who: str, load: Optional[str]) -> bool:
+def megatron_roles_alone(controller: Controller, who: str, load: Optional[str]) -> bool:
     """Whether a restart of the Megatron roles alone can handle the failure of `who` (see the module docstring)."""
     c = controller.config
     return (who.split(" rank ")[0] in MEGATRON_ROLES and load is not None and controller.started
@@ -152,7 +156,7 @@ class Restarts:
         self.resumed_step: Optional[int] = None
         self.last_who: Optional[str] = None  # the role (rank) the last failure is counted against
 
-    def should_restart(self, controller: Any, exc: BaseException) -> bool:
+    def should_restart(self, controller: Controller, exc: BaseException) -> bool:
         """Count the failure; True to restart, False when the run's first start-up failed. Raises the final
         failure once --max-global-restart restarts were made."""
         self.failed_at = time.monotonic()
@@ -174,7 +178,7 @@ class Restarts:
                 exc.add_detail(f"{who}: {lost[0][1]}")
         who = self.ledger.record(exc, who)
         self.last_who = who
-        fault = controller.fault
+        fault = controller.ctx.fault
         fired = fault.last_fired_at() if fault is not None else None
         if fired is not None:
             logger.warning("health: %s failure detected %.2f s after the injected fault", who,
@@ -183,7 +187,7 @@ class Restarts:
             raise self.ledger.give_up(exc) from exc
         return True
 
-    def restart(self, controller: Any, make: Callable[[Config], Any], exc: BaseException) -> Any:
+    def restart(self, controller: Controller, make: Callable[[Config], Any], exc: BaseException) -> Any:
         """Tear `controller` down (Ray stays), then build the next attempt's controller resuming from the newest
         checkpoint; metrics.jsonl keeps the steps before it."""
         self.ledger.restarts += 1
@@ -218,10 +222,10 @@ class Restarts:
             try:
                 controller.restart_megatron_roles(attempt_config(self.config, n, load,
                                                                  board=controller.config.meta.get(BOARD_META)),
-                                                  load, controller.current_step)
-                controller.accounting = RunAccounting()
+                                                  load, controller.ctx.current_step)
+                controller.ctx.accounting = RunAccounting()
                 for record in step_records(kept):  # the run's sample accounting: the steps that survive
-                    controller.accounting.add(record)
+                    controller.ctx.accounting.add(record)
                 return controller
             except Exception as failure:  # the next rung: every role
                 logger.warning("health: restarting the Megatron roles alone failed (%s); restarting every role",
@@ -230,12 +234,12 @@ class Restarts:
                 controller.shutdown(keep_ray=True)
         nxt = make(attempt_config(self.config, n, load), earlier_children=controller._earlier_children)
         nxt.started_ray = controller.started_ray  # the first attempt's Ray: the last attempt's shutdown stops it
-        nxt.fault = controller.fault
+        nxt.ctx.fault = controller.ctx.fault
         for record in step_records(kept):  # the run's sample accounting: the steps that survive
-            nxt.accounting.add(record)
+            nxt.ctx.accounting.add(record)
         return nxt
 
-    def started(self, controller: Any) -> None:
+    def started(self, controller: Controller) -> None:
         """Log how long the restart took once the restarted attempt's roles are up (and resumed)."""
         if controller.attempt > 0 and self.failed_at is not None:
             logger.info("health: restart %d: every role is back at step %d, %.1f s after the failure",

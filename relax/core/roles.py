@@ -8,7 +8,7 @@ stage field:
   * reference (--use-kl-loss / --kl-coef): `compute(step)` writes `ref_logprobs`; every
     --ref-update-interval steps the actor ranks copy their weights into it after the update. In a synchronous
     run without GPUs it is no role of its own: the actor's rank processes hold the reference model and compute
-    the same rows (`relax.roles.megatron_settings.reference_in_trainer`; `AuxRoles.reference_in_trainer`);
+    the same rows (`config.reference_placement`, relax.config.facts; `AuxRoles.reference_in_trainer`);
   * teacher (--use-opd --opd-type megatron): `compute(step)` writes `teacher_logprobs`; with --opd-type sglang
     the teacher is an SGLang-API server at --rm-url instead of a role
     (relax.rollout.teacher_client.SGLangTeacher, called from the controller with the same interface);
@@ -32,18 +32,13 @@ from relax.config.env import threads_per_process, worker_env
 from relax.core.calls import wait_all
 from relax.core.deadlines import FLAGS, Call
 from relax.core.checkpointing import keep_limit, rotate_checkpoints
-from relax.core.placement import create_placement_group
+from relax.roles.placement import create_placement_group
 from relax.roles.critic import CriticWorker
 from relax.roles.reference import ReferenceWorker
-from relax.roles.megatron_settings import reference_in_trainer
+from relax.config.facts import IN_ACTOR_RANKS, REFERENCE_ROLE
 from relax.rollout.teacher_client import SGLangTeacher
 
 logger = logging.getLogger(__name__)
-
-
-def needs_reference(config: Any) -> bool:
-    """A reference model is needed for the KL loss term or KL reward shaping."""
-    return bool(config.use_kl_loss) or bool(config.kl_coef)
 
 
 def needs_critic(config: Any) -> bool:
@@ -162,12 +157,11 @@ class AuxRoles:
     """The auxiliary role groups of a run (None where the config needs none) and their checkpoints."""
 
     def __init__(self, config: Any, reference: ReferenceGroup | None = None, critic: CriticGroup | None = None,
-                 teacher: Any = None,  # a TeacherGroup, or an SGLangTeacher (--opd-type sglang)
-                 reference_in_trainer: bool = False):
+                 teacher: Any = None):  # a TeacherGroup, or an SGLangTeacher (--opd-type sglang)
         self.config = config
         self.reference = reference
         # the reference log-probs come from the actor's ranks (TrainerWorker.reference_logprobs), not a group
-        self.reference_in_trainer = reference_in_trainer
+        self.reference_in_trainer = config.reference_placement in IN_ACTOR_RANKS
         self.critic = critic
         self.teacher = teacher
 
@@ -216,7 +210,7 @@ def launch_aux_groups(config: Any, *, use_gpu: bool) -> dict[str, WorkerGroup]:
     if config.debug_rollout_only:
         return groups
     try:
-        if needs_reference(config) and not reference_in_trainer(config, use_gpu):
+        if config.reference_placement == REFERENCE_ROLE:
             groups["reference"] = ReferenceGroup(config, use_gpu=use_gpu)
         if needs_teacher(config):
             groups["teacher"] = TeacherGroup(config, use_gpu=use_gpu)
@@ -245,8 +239,7 @@ def build_aux_roles(config: Any, *, use_gpu: bool, data_plane: Any,
         for group in groups.values():
             group.shutdown()
         raise
-    return AuxRoles(config, groups.get("reference"), critic=groups.get("critic"), teacher=groups.get("teacher"),
-                    reference_in_trainer=needs_reference(config) and reference_in_trainer(config, use_gpu))
+    return AuxRoles(config, groups.get("reference"), critic=groups.get("critic"), teacher=groups.get("teacher"))
 
 
 def save_to_own_root(group: Any, root: Path, name: str, config: Any) -> Path:

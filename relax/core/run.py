@@ -127,7 +127,7 @@ def run_controller(config: Config) -> int:
         Controller = controller_import.module().Controller
         controller = Controller(config, earlier_children=earlier_children)
         controller.started_ray = started_ray
-        controller.fault = fault_from_env()  # tests only: RELAX_TEST_TRAINER_FAULT (relax.core.health_faults)
+        controller.ctx.fault = fault_from_env()  # tests only: RELAX_TEST_TRAINER_FAULT (relax.core.health_faults)
         restarts = Restarts(config) if config.use_health_check else None
         while True:
             try:

@@ -23,10 +23,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from relax.core.run_context import RunContext
 from relax.observability import timeline
 
 
-def train_chunks(ctl: Any, window: Any, step: int, chunks: int) -> dict[str, float]:
+def train_chunks(run: RunContext, window: Any, step: int, chunks: int) -> dict[str, float]:
     """Train step `step`'s chunks as the rollout stores them; returns the trainer's metrics of the step."""
     first = None
     waited = ref_time = 0.0
@@ -39,16 +40,16 @@ def train_chunks(ctl: Any, window: Any, step: int, chunks: int) -> dict[str, flo
         else:
             waited += time.time() - t_wait
         with timeline.span(f"reference chunk {chunk}", step=step, cat="train"):
-            ref = ctl.stages.reference_chunk(step, stored["indexes"])
+            ref = run.stages.reference_chunk(step, stored["indexes"])
         ref_time += ref.get("perf/ref_logprob_time", 0.0)
         with timeline.span(f"train chunk {chunk}", step=step, cat="train"):
-            out = ctl._trainers("train_chunk", f"train chunk {chunk}", step, step, chunk, chunks, stored["indexes"])
+            out = run.trainers("train_chunk", f"train chunk {chunk}", step, step, chunk, chunks, stored["indexes"])
         if chunk + 1 == chunks:
             metrics = dict(out[0])
     metrics.update({"async/num_chunks": float(chunks), "async/first_chunk_train_start": first,
                     "async/chunk_wait_time": waited})
-    if ctl.aux.reference is not None:
+    if run.aux.reference is not None:
         metrics["perf/ref_logprob_time"] = ref_time
     with timeline.span("reference_refresh", step=step, cat="train"):  # --ref-update-interval, after the update
-        metrics.update(ctl.stages.reference_refresh(step))
+        metrics.update(run.stages.reference_refresh(step))
     return metrics

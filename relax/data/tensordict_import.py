@@ -7,7 +7,7 @@ units, the rollout manager), paid again at every run's start on 2 cores. Both wr
 for a `torch.compile` trace; eagerly the function runs as it is, and nothing in these processes compiles.
 So while tensordict's package runs its imports they are the identity, and they are restored right after.
 A process that has imported torch._dynamo already imports tensordict unchanged (a trainer rank imports it only
-when it builds its optimizer, after its modules: relax.backends.megatron.lazy_jit).
+when it builds its optimizer, after its modules: relax.lazy_jit).
 
 `install()` arms this for the process's first import of tensordict, whoever makes it (relax.importing): Relax's data-plane
 modules call it before importing tensordict or TransferQueue, and Ray's worker set-up hook

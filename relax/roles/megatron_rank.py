@@ -10,7 +10,7 @@ from typing import Any
 import ray
 
 from relax.backends.megatron.model import weights_checksum
-from relax.core.health import start_heartbeat
+from relax.observability.heartbeat import start_heartbeat
 from relax.observability import timeline
 from relax.weights.sync import close_all as close_weight_syncs
 
@@ -29,7 +29,7 @@ class MegatronRank:
         self.data = None
         self.offloader = None
         timeline.set_role(f"{type(self).__name__.replace('Worker', '').lower()} rank {rank}")  # its timeline track
-        start_heartbeat(self)  # --use-health-check: beats from a thread of its own (relax.core.health)
+        start_heartbeat(self)  # --use-health-check: beats from a thread of its own (relax.observability.heartbeat)
 
     def master_address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0 to host the rendezvous."""
@@ -58,7 +58,7 @@ class MegatronRank:
 
     def weights_checksum(self, model: str = "trainer") -> float:
         """Sum of |w| over this rank's parameters; `model="reference"` for the reference model a trainer rank
-        holds itself (relax.roles.megatron_settings.reference_in_trainer)."""
+        holds itself (config.reference_placement, relax.config.facts)."""
         owner = getattr(self, model, None)
         if owner is None:
             raise ValueError(f"rank {self.rank} holds no {model} model")

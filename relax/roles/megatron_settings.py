@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from relax.backends.megatron.arch import arch_for_run
+from relax.backends.megatron.lora import lora_settings
 from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
 from relax.config.megatron_options import options_from_config
 from relax.config.support_gpu import GPU_ONLY_REASONS
@@ -51,24 +52,10 @@ def trainer_settings(config: Any, *, forward_only: bool = False):
         hidden_dropout=float(config.hidden_dropout), attention_dropout=float(config.attention_dropout),
         attention_backend=backend, moe_router_dtype=config.moe_router_dtype,
         megatron_options=options_from_config(config),
+        # every model of the run gets the adapters: forward-only copies (reference, the old policy's) keep B = 0
+        # (the frozen base, bit for bit) until the actor's weights are copied in
+        lora=lora_settings(config),
     )
-
-
-def reference_in_trainer(config: Any, use_gpu: bool) -> bool:
-    """Whether the reference log-probs are computed inside the actor's own rank processes instead of a reference
-    role of their own: a synchronous run without GPUs, whose reference is never refreshed from the actor
-    (--ref-update-interval), with the actor resident (no --colocate / --offload-train).
-
-    Why: on CPU the reference model is a second copy beside the actor's in host memory either way; a role of
-    its own costs a Ray actor to place and start, a Ray call and a data-plane read of the step per step, where in
-    the trainer the step's samples read for the reference are the ones the actor's forward stage reads next.
-    A one-rank actor runs its reference in a child process (relax.roles.reference_process: its pass beside the
-    actor's on the other core); with more ranks the reference shares the ranks' model-parallel groups and runs
-    in the rank's own process. On GPU a separate reference keeps its own devices, so it stays a role there;
-    with --fully-async the reference of a later step may run beside an update."""
-    return (bool(config.use_kl_loss or config.kl_coef) and not use_gpu and not config.fully_async
-            and not config.ref_update_interval and not config.colocate and not config.offload_train
-            and not config.debug_rollout_only)
 
 
 def build_reference_trainer(config: Any) -> tuple[MegatronTrainer, str]:

@@ -1,5 +1,5 @@
-"""The in-trainer reference model (relax.roles.megatron_settings.reference_in_trainer) of a one-rank actor, in a child
-process of that rank: its pass runs beside the actor's forward pass on the other core.
+"""The in-trainer reference model of a one-rank actor (config.reference_placement "child_process" / "streamed",
+relax.config.facts), in a child process of that rank: its pass runs beside the actor's forward pass on the other core.
 
 Why a process and not a thread: both passes are a few hundred small kernels with Python between each, so two
 threads of one process take turns on the GIL. Measured on the embedded default (2 cores, one thread each): the

@@ -10,7 +10,7 @@ Step metrics: `step_metrics` always; `--log-passrate`, `--log-multi-turn`, `--lo
 (which also writes OUTPUT_DIR/correct_samples/step_N.jsonl) and `--log-reward-category` add theirs
 (`relax.rollout.step_logs`). With `--rollout-external` the engines are not started or stopped here:
 the given addresses join the router, and shutdown stops only the router. With --genrm-model-path the manager
-also starts the GenRM's own engines and router (`relax.rollout.genrm.service`; never weight push targets) and
+also starts the GenRM's own engines and router (`relax.roles.genrm`; never weight push targets) and
 hands its judge to the rewards (reward type genrm); the step metrics add genrm/*.
 """
 
@@ -32,13 +32,13 @@ from relax.backends.relax_router.process import router_from_config
 from relax.backends.sglang.router import RouterProcess
 from relax.config.autoscaler import load_autoscaler_config
 from relax.config.config import Config
-from relax.core.health import start_heartbeat
-from relax.core.placement import cluster_has_gpus, create_placement_group, engine_bundle
+from relax.roles.placement import cluster_has_gpus, create_placement_group, engine_bundle
 from relax.data.plane import DataPlane
 from relax.data.replay_record import run_record
 from relax.data.sample import Sample
 from relax.observability.accounting import delivery_accounting
 from relax.observability import timeline
+from relax.observability.heartbeat import start_heartbeat
 from relax.observability.metrics_client import MetricsReporter
 from relax.rollout.autoscaler import Autoscaler
 from relax.roles.engine import engine_bind_host, engine_server_args, rollout_engine_actor
@@ -49,7 +49,7 @@ from relax.rollout.debug_data import load_rollout_data, save_rollout_data
 from relax.rollout.engine_pool import EnginePool, HealthMonitor, stop_engines
 from relax.rollout.engine_watch import EngineWatcher
 from relax.rollout.evaluation import eval_sets, evaluate, passrate_metrics
-from relax.rollout.genrm.service import GenRMService
+from relax.roles.genrm import GenRMService
 from relax.rollout.fault_injection import EngineFault, arm, fault_from_env
 from relax.rollout.prompts import PromptEncoder
 from relax.rollout.rewards import RewardRunner
@@ -399,7 +399,7 @@ class RolloutManager:
         # validation admits --over-sampling-batch-size only at the step's own batch, i.e. no over-sampling)
         size = c.rollout_batch_size // chunks
         part = Config({**c, "rollout_batch_size": size, "over_sampling_batch_size": size}, c.explicit, c.meta,
-                      c.derived)
+                      {**c.derived, "samples_per_step": c.samples_per_step // chunks})
         groups, extra = self._rollout(step, part)
         samples = self._index(step, groups)
         self._put(step, samples)
@@ -459,7 +459,7 @@ class RolloutManager:
         if self.router is None:
             raise RuntimeError("rollout engines are not started (start_engines) and no "
                                "--load-debug-rollout-data was given")
-        bar = tqdm(total=c.rollout_batch_size * c.n_samples_per_prompt, desc=f"rollout {step}", leave=False,
+        bar = tqdm(total=c.samples_per_step, desc=f"rollout {step}", leave=False,
                    mininterval=2.0, disable=not os.environ.get("RELAX_PROGRESS", "1") == "1")
         try:
             out = self._watched(lambda: self.rollout_fn(self._context(bar, c), step), f"rollout step {step}")

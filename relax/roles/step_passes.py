@@ -32,22 +32,6 @@ import torch
 from relax.roles.reference_process import POLICY, REFERENCE, ReferenceProcess
 
 
-def streams_old_logprobs(config: Any) -> bool:
-    """Whether the old-policy rows of a one-rank actor whose reference runs in a child process come from that
-    process: a step makes several optimizer steps (`--global-batch-size` below the samples of a rollout), the rows
-    are recomputed under the weights of the rollout, the current ones (no --keep-old-actor, not the engine's),
-    nothing else of the step reads them before the update (no --kl-coef shaping, OPD, --true-on-policy-mode check
-    or entropy from the pass), the tokens are those the rollout stored (no
-    --custom-convert-samples-to-train-data-path) and no MoE routing is replayed (the child records no routes)."""
-    samples = (config.rollout_batch_size or 0) * config.n_samples_per_prompt
-    if not config.global_batch_size or samples // config.global_batch_size < 2:
-        return False
-    return not (config.keep_old_actor or config.kl_coef or config.use_opd or config.true_on_policy_mode
-                or config.use_rollout_entropy or config.use_rollout_logprobs
-                or config.custom_convert_samples_to_train_data_path
-                or config.use_routing_replay or config.use_rollout_routing_replay)
-
-
 def parts_for(samples: int, gbs: int, with_old: bool) -> list[tuple[str, int, int]]:
     """The parts of a step of `samples` samples trained `gbs` at a time, in the order the updates need them: the
     reference rows of the first update's samples, then for each later update its old-policy rows (`with_old`) and

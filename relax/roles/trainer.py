@@ -16,17 +16,19 @@ from relax import heap
 from relax.backends.megatron.arch import arch_for_run
 from relax.backends.megatron.cpu_compat import native_device_ops
 from relax.backends.megatron.hf_weights import unwrap_model
+from relax.backends.megatron.lora import load_adapters
 from relax.backends.megatron.optim import gather_params
 from relax.backends.megatron.trainer import MegatronTrainer
+from relax.config.facts import REFERENCE_CHILD, REFERENCE_IN_RANK, REFERENCE_STREAMED
 from relax.data.plane import DataPlane
 from relax.data.sample import ROLLOUT_FIELDS, Sample
 from relax.observability import timeline
 from relax.observability.metrics_client import MetricsReporter
 from relax.observability.profiling import Profiling, install_cuda_memory_check
 from relax.roles.megatron_rank import MegatronRank
-from relax.roles.megatron_settings import build_reference_trainer, reference_in_trainer, trainer_settings
+from relax.roles.megatron_settings import build_reference_trainer, trainer_settings
 from relax.roles.reference_process import POLICY, REFERENCE, ReferenceProcess
-from relax.roles.step_passes import StepPasses, streams_old_logprobs
+from relax.roles.step_passes import StepPasses
 from relax.rollout.rewards.runner import check_step_rewards, reward_name
 from relax.training.step import advantage_stage, check_rows, forward_stage, update_stage
 from relax.training.streaming import StreamingUpdate
@@ -68,14 +70,16 @@ class TrainerWorker(MegatronRank):
         self._rows: dict[int, dict[str, list[torch.Tensor]]] = {}
         # the step's samples read by the in-trainer reference stage, for the forward stage that follows
         self._prefetched: dict[int, list[Sample]] = {}
-        self.reference = None  # the reference model when `reference_in_trainer`
-        self._reference_here = reference_in_trainer(config, use_gpu=torch.cuda.is_available())
-        if self._reference_here and world_size == 1:
+        # the reference model when the reference runs in this rank (config.reference_placement, relax.config.facts):
+        # its own process for the one rank of an actor, in the rank's process (its model-parallel groups) otherwise
+        self.reference = None
+        placement = config.reference_placement
+        if placement in (REFERENCE_CHILD, REFERENCE_STREAMED):
             # Its own process, started now so that its imports and model build overlap this rank's start-up
             # (the first reference pass waits for it).
             self.reference = ReferenceProcess(config, torch.get_num_threads(),
                                               timeout_s=config.train_step_timeout or None,
-                                              with_policy=streams_old_logprobs(config))
+                                              with_policy=placement == REFERENCE_STREAMED)
         self._streaming: dict[str, Any] | None = None  # the step trained in chunks (`train_chunk`)
         self._reference_pass = None  # (step, start) of the reference pass running beside the forward stage
         # the step whose reference (and later old-policy) rows arrive while it trains (relax.roles.step_passes)
@@ -95,9 +99,11 @@ class TrainerWorker(MegatronRank):
             self.trainer.load_hf(self.config.hf_checkpoint)
         if self.config.ref_load:  # the actor starts from the reference weights (--load, if any, comes later)
             self.trainer.load_weights(self.config.ref_load, self.config.ref_ckpt_step)
+        if self.config.lora_load:  # the adapters to start from, on that base (relax.backends.megatron.lora)
+            load_adapters(self.trainer, self.config.lora_load)
         if self.config.keep_old_actor:  # the engines start from these weights (see push_weights)
             self.trainer.keep_weights("old_actor")
-        if self._reference_here and self.reference is None:  # sharing the actor's model-parallel group
+        if self.config.reference_placement == REFERENCE_IN_RANK:  # sharing the actor's model-parallel groups
             with _random_state_kept():
                 self.reference, _ = build_reference_trainer(self.config)
         self.data = DataPlane.attach()
@@ -278,12 +284,13 @@ class TrainerWorker(MegatronRank):
 
     @timeline.traced("reference log-probs", cat="train")
     def reference_logprobs(self, step: int) -> dict[str, Any]:
-        """Stage, with the reference in this process (`reference_in_trainer`): the reference log-probs of this
-        data-parallel rank's share of step `step`, written as `ref_logprobs` (what `ReferenceWorker.compute`
-        does in a role of its own). The step's samples stay here for the forward stage that follows; no other
+        """Stage, with the reference in this rank (config.reference_placement in_rank, child_process or streamed):
+        the reference log-probs of this data-parallel rank's share of step `step`, written as `ref_logprobs`
+        (what `ReferenceWorker.compute` does in a role of its own). The step's samples stay here for the forward stage that follows; no other
         stage writes before it when this rank holds every field (`_holds_every_field`)."""
         if self.reference is None:
-            raise RuntimeError(f"trainer rank {self.rank} has no reference model (reference_in_trainer is False)")
+            raise RuntimeError(f"trainer rank {self.rank} has no reference model (reference_placement "
+                               f"{self.config.reference_placement})")
         t0 = time.perf_counter()
         samples = self.data.get(step)
         if self._holds_every_field():

@@ -1,5 +1,5 @@
 """Built-in dynamic-sampling filters (`--dynamic-sampling-filter-path`): `fn(args, group) -> bool`, keep the
-prompt's group? Scripts name them by their compatibility path, `relax.engine.filters.dynamic_sampling_filters`."""
+prompt's group? Scripts name them by their old path, `relax.engine.filters.dynamic_sampling_filters` (relax.config.hook_paths)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 r"""The GenRM judge: a sample whose reward type is `genrm` (--rm-type genrm, or metadata["rm_type"]) is scored by
-the generative reward model's engines (--genrm-model-path; relax.rollout.genrm.service starts them).
+the generative reward model's engines (--genrm-model-path; relax.roles.genrm starts them).
 
 One judgment:
   1. the template turns the sample into a judge request: `template(prompt, response, label, metadata)` returns

@@ -11,9 +11,10 @@ means upstream; only the import is deferred. Relax turns Megatron's fusions off 
 (relax.backends.megatron.arch), so the fused functions are not called at all there. (A trainer rank still imports
 torch._dynamo when it builds its optimizer: torch.optim's `add_param_group` is wrapped by `torch._disable_dynamo`.)
 
-`install()` arms this for the process's first import of `megatron.core.jit` (relax.importing.patch_import); `relax/__init__.py` calls it, so
-every process that imports Relax has it before Megatron. It imports nothing itself. `--disable-jit-fuser`
-(relax.backends.megatron.megatron_options) replaces the fuser afterwards as before.
+`install()` arms this for the process's first import of `megatron.core.jit` (relax.importing.patch_import);
+`relax/__init__.py` calls it, so every process that imports Relax has it before Megatron. It imports nothing
+itself. `--disable-jit-fuser` (relax.backends.megatron.megatron_options) replaces the fuser afterwards as before.
+It lives at the package root, beside relax.heap, because the package root may import nothing heavier.
 """
 
 from __future__ import annotations

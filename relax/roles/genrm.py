@@ -25,7 +25,7 @@ from ray.util.placement_group import remove_placement_group
 from transformers import AutoTokenizer
 
 from relax.backends.sglang.router import RouterProcess
-from relax.core.placement import cluster_has_gpus, create_placement_group
+from relax.roles.placement import cluster_has_gpus, create_placement_group
 from relax.roles.engine import engine_actor, engine_server_args
 from relax.rollout.engine_pool import EnginePool, HealthMonitor, stop_engines
 from relax.rollout.genrm.config import engine_config

@@ -1,0 +1,106 @@
+"""Products of the flags that more than one part of Relax reads, each defined once.
+
+Pure functions over a mapping of flag values (a dict during validation, or a `Config`). Validation stores
+their results as derived facts (relax.config.validate.DERIVED_FACTS), and the roles read the stored value
+(`config.samples_per_step`, `config.reference_placement`); the rules that run before the facts exist (presets,
+batch arithmetic) call these functions on the values they have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+# Where the reference model's log-probs are computed (`reference_placement`):
+NO_REFERENCE = "none"  # no KL loss and no KL reward: no reference model at all
+REFERENCE_ROLE = "role"  # a reference role of its own (its own Ray actors and devices)
+REFERENCE_IN_RANK = "in_rank"  # inside each actor rank's process, in the ranks' model-parallel groups
+REFERENCE_CHILD = "child_process"  # a child process of the one actor rank, its pass beside the rank's forward pass
+REFERENCE_STREAMED = "streamed"  # that child process also streams the later updates' old-policy rows
+REFERENCE_PLACEMENTS = (NO_REFERENCE, REFERENCE_ROLE, REFERENCE_IN_RANK, REFERENCE_CHILD, REFERENCE_STREAMED)
+IN_ACTOR_RANKS = (REFERENCE_IN_RANK, REFERENCE_CHILD, REFERENCE_STREAMED)  # no reference role is launched
+REFERENCE_WHERE = {  # each placement as --dry-run states it
+    REFERENCE_ROLE: "a reference role of its own (its own actors; on GPU its own devices)",
+    REFERENCE_IN_RANK: "inside each actor rank, in the ranks' model-parallel groups",
+    REFERENCE_CHILD: "a child process of the actor rank, its pass beside the actor's forward pass",
+    REFERENCE_STREAMED: "a child process of the actor rank, streaming each update's reference and old-policy rows "
+                        "while the rank trains",
+}
+
+
+def driver_has_gpu() -> bool:
+    """The one GPU test of validation: whether this process (the driver, where the flags are validated) sees a
+    CUDA device. The rollout backend's "auto" and the reference's placement follow it; an actor without a GPU of
+    its own would always see none."""
+    import torch  # only when a fact depends on it: importing torch takes seconds
+
+    return torch.cuda.is_available()
+
+
+def samples_per_step(v: Mapping[str, Any]) -> int:
+    """Samples one rollout step produces: --rollout-batch-size prompts x --n-samples-per-prompt (0 before the
+    batch size is known)."""
+    return (v["rollout_batch_size"] or 0) * v["n_samples_per_prompt"]
+
+
+def data_queue_samples(v: Mapping[str, Any]) -> int:
+    """Samples the data plane holds at most: the steps the rollout may run ahead (--max-staleness) and the one
+    training."""
+    return samples_per_step(v) * (v["max_staleness"] + 1)
+
+
+def model_parallel_size(v: Mapping[str, Any]) -> int:
+    """Ranks that hold one copy of the model: tensor x pipeline x context parallel."""
+    return v["tensor_model_parallel_size"] * v["pipeline_model_parallel_size"] * v["context_parallel_size"]
+
+
+def role_workers(v: Mapping[str, Any], role: str) -> int:
+    """Workers of a role under --resource: replicas x GPUs (devices) each."""
+    replicas, gpus = v["resource"].get(role, [1, 1])
+    return replicas * gpus
+
+
+def data_parallel_size(v: Mapping[str, Any]) -> int:
+    """Copies of the model the actor's ranks train: actor ranks / model-parallel size (at least one)."""
+    return max(1, role_workers(v, "actor") // model_parallel_size(v))
+
+
+def needs_reference(v: Mapping[str, Any]) -> bool:
+    """A reference model is needed for the KL loss term or KL reward shaping."""
+    return bool(v["use_kl_loss"]) or bool(v["kl_coef"])
+
+
+def streams_old_logprobs(v: Mapping[str, Any]) -> bool:
+    """Whether the old-policy rows of a one-rank actor whose reference runs in a child process come from that
+    process: a step makes several optimizer steps (`--global-batch-size` below the samples of a rollout), the rows
+    are recomputed under the weights of the rollout, the current ones (no --keep-old-actor, not the engine's),
+    nothing else of the step reads them before the update (no --kl-coef shaping, OPD, --true-on-policy-mode check
+    or entropy from the pass), the tokens are those the rollout stored (no
+    --custom-convert-samples-to-train-data-path) and no MoE routing is replayed (the child records no routes)."""
+    if not v["global_batch_size"] or samples_per_step(v) // v["global_batch_size"] < 2:
+        return False
+    return not (v["keep_old_actor"] or v["kl_coef"] or v["use_opd"] or v["true_on_policy_mode"]
+                or v["use_rollout_entropy"] or v["use_rollout_logprobs"]
+                or v["custom_convert_samples_to_train_data_path"]
+                or v["use_routing_replay"] or v["use_rollout_routing_replay"])
+
+
+def reference_placement(v: Mapping[str, Any], actor_world_size: int) -> str:
+    """Where the reference runs (one of `REFERENCE_PLACEMENTS`), decided once, in validation.
+
+    Inside the actor's ranks in a synchronous run without GPUs whose reference is never refreshed from the
+    actor (--ref-update-interval), with the actor resident (no --colocate / --offload-train). Why: on CPU the
+    reference model is a second copy beside the actor's in host memory either way; a role of its own costs a Ray
+    actor to place and start, a Ray call and a data-plane read of the step per step, where in the trainer the
+    step's samples read for the reference are the ones the actor's forward stage reads next. A one-rank actor
+    runs it in a child process (relax.roles.reference_process: its pass beside the actor's on the other core);
+    with more ranks it shares the ranks' model-parallel groups and runs in the rank's own process. On GPU a
+    separate reference keeps its own devices, so it stays a role there; with --fully-async the reference of a
+    later step may run beside an update."""
+    if not needs_reference(v) or v["debug_rollout_only"]:
+        return NO_REFERENCE
+    if v["fully_async"] or v["ref_update_interval"] or v["colocate"] or v["offload_train"] or driver_has_gpu():
+        return REFERENCE_ROLE
+    if actor_world_size > 1:
+        return REFERENCE_IN_RANK
+    return REFERENCE_STREAMED if streams_old_logprobs(v) else REFERENCE_CHILD

@@ -1,1 +1,0 @@
-"""Stable path of the built-in dynamic-sampling filters (see relax.engine)."""

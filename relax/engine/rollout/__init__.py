@@ -1,1 +1,0 @@
-"""Stable paths of the default rollout function and data source (see relax.engine)."""
