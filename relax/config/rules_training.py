@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from relax.backends.megatron.checkpoint_layout import MARKER, latest_iteration
-from relax.config import rules_checkpoint, rules_ddp
+from relax.config import rules_checkpoint, rules_ddp, rules_lora
 from relax.config.errors import ConfigError
 
 
@@ -279,4 +279,4 @@ def check_health(v: dict, explicit) -> None:
 RULES: tuple = (check_reference, check_corrections, check_critic, check_opd, check_train_data, check_old_policy,
                  check_routing_replay, check_opd_sglang, check_sequence_parallel, check_expert_parallel,
                  check_context_parallel, check_exit_on_missing_checkpoint, check_health) + rules_checkpoint.RULES \
-    + rules_ddp.RULES
+    + rules_ddp.RULES + rules_lora.RULES

@@ -71,6 +71,9 @@ TRAINING_FEATURES: frozenset[str] = ARCH_FEATURES | GPU_ONLY_FEATURES | CPU_OPTI
     # optimizer (MegatronTrainer.load_weights;
     # tests/test_megatron_flag_triage.py::test_flags_asking_for_what_the_trainer_builds_are_what_it_builds)
     "only_load_weight",
+    # LoRA adapters, merged-weight sync (relax.backends.megatron.lora; tests/test_lora*.py); adapter-only sync is
+    # refused by relax.config.rules_lora until it is built
+    "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_init", "lora_load", "lora_merge_sync",
 })
 
 # Values of flags whose other values are not built yet (merge into relax.config.support.SUPPORTED_VALUES):

@@ -40,6 +40,7 @@ from relax.backends.megatron.checkpoint_layout import (
 )
 from relax.backends.megatron.cpu_compat import apply_cpu_compat
 from relax.backends.megatron.hf_weights import unwrap_model
+from relax.backends.megatron.lora import checkpoint_state, load_checkpoint_state
 from relax.backends.megatron.megatron_options import option
 from relax.backends.megatron.parallel import ParallelLayout
 from relax.weights.sync import _unshared, copy_model_files
@@ -216,7 +217,7 @@ def _atomic_torch_save(obj: Any, path: Path) -> None:
 def rank_state(model, optimizer, save_rng: bool = True) -> dict[str, Any]:
     """What a rank's file holds: its model shard, optimizer state (None without one) and RNG (None with
     --no-save-rng)."""
-    return {"model": unwrap_model(model).state_dict(),
+    return {"model": checkpoint_state(unwrap_model(model)),  # with LoRA the adapters only
             "optimizer": optimizer_state(optimizer) if optimizer is not None else None,
             "rng": rng_state() if save_rng else None}
 
@@ -356,7 +357,7 @@ def load_checkpoint(path: str | Path, *, model, optimizer, scheduler, layout: Pa
     _check_meta(meta, layout)
     rank = dist.get_rank()
     state = load_state_file(path / rank_file(rank), meta.get("iteration"))
-    unwrap_model(model).load_state_dict(state["model"], strict=True)
+    load_checkpoint_state(unwrap_model(model), state["model"])
     if optimizer is not None:
         if state.get("optimizer") is None:
             raise ValueError(f"{path} holds no optimizer state (a forward-only model); load it with load_model_state")
@@ -377,7 +378,7 @@ def load_model_state(path: str | Path, *, model, layout: ParallelLayout) -> int:
     meta = read_meta(path)
     _check_meta(meta, layout, "; a model checkpoint loads only into the parallel layout that wrote it")
     state = load_state_file(path / rank_file(dist.get_rank()), meta.get("iteration"))
-    unwrap_model(model).load_state_dict(state["model"], strict=True)
+    load_checkpoint_state(unwrap_model(model), state["model"])
     return int(meta["iteration"])
 
 

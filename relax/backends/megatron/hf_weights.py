@@ -25,6 +25,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from relax.backends.megatron.arch import ModelArch
+from relax.backends.megatron.lora import merged_weight
 
 __all__ = [
     "load_hf_weights",
@@ -172,8 +173,8 @@ def _param_infos(model: torch.nn.Module, arch: ModelArch) -> list[_ParamInfo]:
     gpt = unwrap_model(model)
     infos: list[_ParamInfo] = []
     for name, param in gpt.named_parameters():
-        if getattr(param, "relax_value_head", False):
-            continue  # a critic's value head (relax.backends.megatron.model.ValueHead) has no HF tensor
+        if getattr(param, "relax_value_head", False) or getattr(param, "relax_lora", False):
+            continue  # a critic's value head (relax.backends.megatron.model.ValueHead), LoRA adapters: no HF tensor
         if name == "embedding.word_embeddings.weight":
             infos.append(_ParamInfo(name, param, "copy", ["model.embed_tokens.weight"], is_vocab=True))
             continue
@@ -361,7 +362,7 @@ def export_hf_weights(
 
 def _gather_full(info: _ParamInfo, arch: ModelArch) -> list[torch.Tensor]:
     """The HF tensors of one Megatron parameter, gathered over its TP group."""
-    param = info.param.detach()
+    param = merged_weight(info.param)  # with LoRA W + alpha / r * B @ A, else the parameter itself
     group, size, _ = _tp_group(info)
     dim = getattr(info.param, "partition_dim", 0)
     parts = _gather(param, group, size) if _is_split(info.param) else [param]

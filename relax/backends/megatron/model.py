@@ -102,6 +102,7 @@ def build_gpt_model(
     value_head_seed: int = 0,
     custom_spec: Any = None,
     provider: Optional[Callable] = None,
+    lora: Any = None,
 ):
     """A `GPTModel` for this rank's pipeline stage, on the compute device.
 
@@ -111,6 +112,9 @@ def build_gpt_model(
     `use_te=None` picks Transformer Engine when `te_available()`. With the
     config's `use_cpu_initialization` parameters are initialised on the CPU
     (identically for any TP size) and then moved to the compute device.
+
+    `lora` (a `relax.backends.megatron.lora.LoraSettings`) adds adapters to the targeted linears and freezes the
+    rest (relax.backends.megatron.lora.add_adapters).
 
     `value_head=True` builds a critic: untied embeddings, and the last stage's LM head replaced by a
     `ValueHead` (the model returns values [b, s, 1] instead of logits).
@@ -157,6 +161,10 @@ def build_gpt_model(
         if post_process:
             model.output_layer = ValueHead(arch.hidden_size, std=transformer_config.init_method_std,
                                            seed=value_head_seed, params_dtype=transformer_config.params_dtype)
+    if lora is not None:
+        from relax.backends.megatron.lora import add_adapters
+
+        add_adapters(model, lora)
     return model.to(compute_device())
 
 

@@ -124,6 +124,7 @@ class TrainerSettings:
     # Megatron flags passed to Megatron-core's config objects as they are, (dest, value) of those set to a
     # non-default value (relax.backends.megatron.megatron_options)
     megatron_options: tuple[tuple[str, Any], ...] = ()
+    lora: Optional[Any] = None  # LoRA adapters, base frozen (a relax.backends.megatron.lora.LoraSettings)
 
 
 def select_frozen(names: Sequence[str], trainable: Sequence[str], frozen: Sequence[str]) -> set[str]:
@@ -249,7 +250,7 @@ class MegatronTrainer:
         )
         gpt = build_gpt_model(arch, self.config, uses_te(settings), **model_builders(settings.megatron_options),
                               value_head=settings.value_head,
-                              value_head_seed=settings.seed)
+                              value_head_seed=settings.seed, lora=settings.lora)
         self.frozen_names: set[str] = set()
         if settings.forward_only:
             for param in gpt.parameters():

@@ -8,6 +8,7 @@ from relax.config.flags import (
     data,
     evaluation,
     fault,
+    lora,
     misc,
     observability,
     reward,
@@ -15,7 +16,7 @@ from relax.config.flags import (
     router,
 )
 
-GROUP_MODULES = (cluster, checkpoint, data, rollout, batch, algorithm, evaluation, reward, fault,
+GROUP_MODULES = (cluster, checkpoint, data, rollout, batch, algorithm, lora, evaluation, reward, fault,
                  observability, router, misc)
 
 

@@ -1,0 +1,103 @@
+"""Cross-flag rules of LoRA (--lora-*), run before Ray with relax.config.rules_training.RULES: functions
+(values, explicit) -> None raising ConfigError that names the flags and the fix.
+
+What is built (relax/backends/megatron/lora.py, docs/lora.md): adapters on the dense column- and row-parallel
+linears of Megatron-core's local layer spec, trained with a frozen base, synced to the engines as merged weights
+(--lora-merge-sync). Everything else a --lora-* combination would need is refused here, not silently ignored.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from relax.config.errors import ConfigError
+
+# Megatron-core's names of a transformer layer's linears: column-parallel (output dim split over TP) and
+# row-parallel (input dim split)
+COLUMN_TARGETS = ("linear_qkv", "linear_fc1")
+ROW_TARGETS = ("linear_proj", "linear_fc2")
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+ALL_LINEAR = "all-linear"
+LORA_INITS = ("kaiming", "gaussian")
+LORA_FLAGS = ("lora_alpha", "lora_dropout", "lora_target_modules", "lora_init", "lora_load", "lora_merge_sync")
+
+
+def lora_targets(v: dict) -> tuple[str, ...]:
+    """The Megatron linears that get adapters, in LORA_TARGETS order (all-linear: all four)."""
+    given = v.get("lora_target_modules") or [ALL_LINEAR]
+    return LORA_TARGETS if ALL_LINEAR in given else tuple(t for t in LORA_TARGETS if t in given)
+
+
+def check_values(v: dict, explicit) -> None:
+    rank = v.get("lora_rank") or 0
+    if rank < 0:
+        raise ConfigError(f"--lora-rank {rank}: must be >= 0 (0 turns LoRA off)")
+    if rank == 0:
+        given = [f"--{d.replace('_', '-')}" for d in LORA_FLAGS if d in explicit and v.get(d) not in (None, False)]
+        if given:
+            raise ConfigError(f"{', '.join(given)} set without --lora-rank: they do nothing with LoRA off; add "
+                              "--lora-rank R (R > 0) or drop them")
+        return
+    if not v["lora_alpha"] or v["lora_alpha"] <= 0:
+        raise ConfigError(f"--lora-alpha {v['lora_alpha']}: must be > 0 (the adapters' scale is alpha / rank)")
+    if not 0.0 <= v["lora_dropout"] < 1.0:
+        raise ConfigError(f"--lora-dropout {v['lora_dropout']}: must be in [0, 1)")
+    given = list(v.get("lora_target_modules") or [])
+    unknown = [t for t in given if t not in LORA_TARGETS + (ALL_LINEAR,)]
+    if unknown:
+        raise ConfigError(f"--lora-target-modules {' '.join(unknown)}: unknown; use Megatron's names "
+                          f"{', '.join(LORA_TARGETS)} or {ALL_LINEAR}")
+    if not given:
+        raise ConfigError(f"--lora-target-modules: give at least one of {', '.join(LORA_TARGETS)} or {ALL_LINEAR}")
+    if v["lora_load"] and not Path(v["lora_load"]).exists():
+        raise ConfigError(f"--lora-load {v['lora_load']}: no such folder (give the --save folder or an iter_* "
+                          "folder of a LoRA run)")
+
+
+def check_combinations(v: dict, explicit) -> None:
+    """Combinations LoRA cannot serve yet, refused with what to do instead."""
+    if not v.get("lora_rank"):
+        return
+    if not v["lora_merge_sync"]:
+        raise ConfigError("not supported yet: adapter-only sync (--lora-rank without --lora-merge-sync); add "
+                          "--lora-merge-sync (the engines then receive merged weights)")
+    if v["only_train_params_name_list"] or v["freeze_params_name_list"]:
+        raise ConfigError("--lora-rank trains the adapters only (the base is frozen): drop "
+                          "--only-train-params-name-list / --freeze-params-name-list")
+    if v["advantage_estimator"] == "ppo" or v.get("critic_train_only"):
+        raise ConfigError("not supported yet: --lora-rank with a critic (--advantage-estimator ppo); use "
+                          "grpo/gspo/reinforce_plus_plus/rloo, or drop --lora-rank")
+    if (v.get("num_experts") or 0) > 0 and {"linear_fc1", "linear_fc2"} & set(lora_targets(v)):
+        raise ConfigError("not supported yet: LoRA on MoE expert layers (--num-experts with --lora-target-modules "
+                          "linear_fc1/linear_fc2/all-linear); use --lora-target-modules linear_qkv linear_proj")
+    impl = getattr(v.get("transformer_impl"), "name", v.get("transformer_impl"))
+    backend = getattr(v.get("attention_backend"), "name", v.get("attention_backend"))
+    if impl != "local" and backend != "local" and _driver_has_gpu():
+        raise ConfigError("not supported yet: --lora-rank with Transformer Engine layers (a GPU with "
+                          "transformer_engine); add --transformer-impl local")
+
+
+def _driver_has_gpu() -> bool:
+    from relax.config.facts import driver_has_gpu
+
+    if not driver_has_gpu():
+        return False
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def check_moe_model(v: dict, explicit) -> None:
+    """An MoE model read from --hf-checkpoint (its config.json) with expert targets: refused before Ray."""
+    if not v.get("lora_rank") or not {"linear_fc1", "linear_fc2"} & set(lora_targets(v)):
+        return
+    from relax.config.rules_arch import hf_arch  # reads config.json only when LoRA asks for MLP targets
+
+    arch = hf_arch(v) if v.get("hf_checkpoint") else None
+    if arch is not None and arch.is_moe:
+        raise ConfigError(f"not supported yet: LoRA on MoE expert layers (--hf-checkpoint {v['hf_checkpoint']} is an "
+                          "MoE model; --lora-target-modules linear_fc1/linear_fc2/all-linear); use "
+                          "--lora-target-modules linear_qkv linear_proj")
+
+
+RULES: tuple = (check_values, check_combinations, check_moe_model)

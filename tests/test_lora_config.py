@@ -1,0 +1,67 @@
+"""The --lora-* flags before Ray (relax/config/rules_lora.py): the values a run can use, and every combination that
+cannot work yet refused with the flag to change."""
+
+import pytest
+
+from relax.config import parse_config
+from relax.config.errors import ConfigError
+from relax.config.support import require_supported, unsupported_flags
+
+BASE = ["--hf-checkpoint", "unused-model-dir", "--rollout-batch-size", "2", "--n-samples-per-prompt", "3",
+        "--global-batch-size", "6"]
+
+
+def _config(*args):
+    return parse_config([*BASE, *args])
+
+
+def test_lora_off_by_default_and_on_with_merge_sync():
+    config = _config()
+    assert config.lora_rank == 0 and not config.lora_merge_sync
+    config = _config("--lora-rank", "8", "--lora-merge-sync", "--lora-alpha", "32", "--lora-target-modules",
+                     "linear_qkv", "linear_proj", "--lora-init", "gaussian", "--lora-dropout", "0.1")
+    require_supported(config)
+    assert unsupported_flags(config) == []
+    from relax.backends.megatron.lora import lora_settings
+
+    settings = lora_settings(config)
+    assert (settings.rank, settings.alpha, settings.targets, settings.init, settings.dropout) == (
+        8, 32.0, ("linear_qkv", "linear_proj"), "gaussian", 0.1)
+    assert settings.scale == 4.0
+    assert lora_settings(_config()) is None
+    assert lora_settings(_config("--lora-rank", "4", "--lora-merge-sync")).targets == (
+        "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # all-linear
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lora-rank", "8"], "not supported yet: adapter-only sync (--lora-rank without --lora-merge-sync); add "
+                           "--lora-merge-sync"),
+    (["--lora-rank", "-2", "--lora-merge-sync"], "--lora-rank -2: must be >= 0"),
+    (["--lora-alpha", "8"], "--lora-alpha set without --lora-rank"),
+    (["--lora-merge-sync"], "--lora-merge-sync set without --lora-rank"),
+    (["--lora-rank", "8", "--lora-merge-sync", "--lora-alpha", "0"], "--lora-alpha 0"),
+    (["--lora-rank", "8", "--lora-merge-sync", "--lora-dropout", "1"], "--lora-dropout 1"),
+    (["--lora-rank", "8", "--lora-merge-sync", "--lora-target-modules", "q_proj"],
+     "--lora-target-modules q_proj: unknown; use Megatron's names"),
+    (["--lora-rank", "8", "--lora-merge-sync", "--lora-load", "/no/such/adapter"], "--lora-load /no/such/adapter"),
+    (["--lora-rank", "8", "--lora-merge-sync", "--advantage-estimator", "ppo"],
+     "not supported yet: --lora-rank with a critic"),
+    (["--lora-rank", "8", "--lora-merge-sync", "--only-train-params-name-list", "linear_qkv"],
+     "drop --only-train-params-name-list"),
+    (["--lora-rank", "8", "--lora-merge-sync", "--num-experts", "4"], "not supported yet: LoRA on MoE expert layers"),
+])
+def test_refusals_name_the_flag_and_the_fix(args, message):
+    with pytest.raises(ConfigError) as err:
+        _config(*args)
+    assert message in str(err.value)
+
+
+def test_moe_model_refuses_mlp_targets_but_takes_attention(tmp_path):
+    from relax.backends.megatron.testing import build_random_tiny_moe_model
+
+    moe = str(build_random_tiny_moe_model(tmp_path / "moe"))
+    args = ["--hf-checkpoint", moe, "--rollout-batch-size", "2", "--n-samples-per-prompt", "3", "--global-batch-size",
+            "6", "--lora-rank", "4", "--lora-merge-sync"]
+    with pytest.raises(ConfigError, match="MoE expert layers.*--lora-target-modules linear_qkv linear_proj"):
+        parse_config(args)
+    assert parse_config([*args, "--lora-target-modules", "linear_qkv", "linear_proj"]).lora_rank == 4
