@@ -19,7 +19,7 @@ from relax.backends.megatron.hf_weights import unwrap_model
 from relax.backends.megatron.lora import load_adapters
 from relax.backends.megatron.optim import gather_params
 from relax.backends.megatron.trainer import MegatronTrainer
-from relax.config.facts import REFERENCE_CHILD, REFERENCE_IN_RANK, REFERENCE_STREAMED
+from relax.config.facts import REFERENCE_IN_RANK
 from relax.data.plane import DataPlane
 from relax.data.sample import ROLLOUT_FIELDS, Sample
 from relax.observability import timeline
@@ -27,7 +27,8 @@ from relax.observability.metrics_client import MetricsReporter
 from relax.observability.profiling import Profiling, install_cuda_memory_check
 from relax.roles.megatron_rank import MegatronRank
 from relax.roles.megatron_settings import build_reference_trainer, trainer_settings
-from relax.roles.reference_process import POLICY, REFERENCE, ReferenceProcess
+from relax.roles.reference_process import POLICY, REFERENCE
+from relax.roles.reference_source import InRankReference, ReferenceSource, reference_for_rank
 from relax.roles.step_passes import StepPasses
 from relax.rollout.rewards.runner import check_step_rewards, reward_name
 from relax.training.step import advantage_stage, check_rows, forward_stage, update_stage
@@ -70,20 +71,11 @@ class TrainerWorker(MegatronRank):
         self._rows: dict[int, dict[str, list[torch.Tensor]]] = {}
         # the step's samples read by the in-trainer reference stage, for the forward stage that follows
         self._prefetched: dict[int, list[Sample]] = {}
-        # the reference model when the reference runs in this rank (config.reference_placement, relax.config.facts):
-        # its own process for the one rank of an actor, in the rank's process (its model-parallel groups) otherwise
-        self.reference = None
-        placement = config.reference_placement
-        if placement in (REFERENCE_CHILD, REFERENCE_STREAMED):
-            # Its own process, started now so that its imports and model build overlap this rank's start-up
-            # (the first reference pass waits for it).
-            self.reference = ReferenceProcess(config, torch.get_num_threads(),
-                                              timeout_s=config.train_step_timeout or None,
-                                              with_policy=placement == REFERENCE_STREAMED)
+        # the reference rows when the reference runs in this rank (config.reference_placement, relax.config.facts;
+        # relax.roles.reference_source): the one rank's child process starts now, so that its imports and model
+        # build overlap this rank's start-up; an in-rank model is built in `setup`, in the ranks' groups
+        self.reference: ReferenceSource | None = reference_for_rank(config, torch.get_num_threads())
         self._streaming: dict[str, Any] | None = None  # the step trained in chunks (`train_chunk`)
-        self._reference_pass = None  # (step, start) of the reference pass running beside the forward stage
-        # the step whose reference (and later old-policy) rows arrive while it trains (relax.roles.step_passes)
-        self._passes: StepPasses | None = None
         # --use-pytorch-profiler sections and --memory-snapshot-num-steps records of this rank
         self.profiling = Profiling.from_config(config, rank)
         self.reporter = MetricsReporter.from_config(config)  # --use-metrics-service; a no-op otherwise
@@ -105,7 +97,7 @@ class TrainerWorker(MegatronRank):
             self.trainer.keep_weights("old_actor")
         if self.config.reference_placement == REFERENCE_IN_RANK:  # sharing the actor's model-parallel groups
             with _random_state_kept():
-                self.reference, _ = build_reference_trainer(self.config)
+                self.reference = InRankReference(build_reference_trainer(self.config)[0])
         self.data = DataPlane.attach()
         heap.freeze()  # the models and the optimizer live as long as the rank (relax.heap)
         return {"rank": self.rank, "dp": self.trainer.layout.dp, "where": self.where(), "params": sum(
@@ -183,7 +175,7 @@ class TrainerWorker(MegatronRank):
                 metrics = update_stage(self.trainer, batch, self.config, **rows,
                                        late=("ref_logprobs",) if passes is not None else ())
             if passes is not None:
-                metrics.update(self._passes_done(passes))
+                metrics.update(self.reference.finish(passes))
         except BaseException:
             self._abandon_passes()
             raise
@@ -286,8 +278,9 @@ class TrainerWorker(MegatronRank):
     def reference_logprobs(self, step: int) -> dict[str, Any]:
         """Stage, with the reference in this rank (config.reference_placement in_rank, child_process or streamed):
         the reference log-probs of this data-parallel rank's share of step `step`, written as `ref_logprobs`
-        (what `ReferenceWorker.compute` does in a role of its own). The step's samples stay here for the forward stage that follows; no other
-        stage writes before it when this rank holds every field (`_holds_every_field`)."""
+        (what `ReferenceWorker.compute` does in a role of its own). The step's samples stay here for the forward
+        stage that follows; no other stage writes before it when this rank holds every field
+        (`_holds_every_field`)."""
         if self.reference is None:
             raise RuntimeError(f"trainer rank {self.rank} has no reference model (reference_placement "
                                f"{self.config.reference_placement})")
@@ -297,30 +290,15 @@ class TrainerWorker(MegatronRank):
             self._prefetched = {step: samples}
         layout = self.trainer.layout  # the reference's too (the actor's architecture and parallel layout)
         mine = samples[layout.dp_rank::layout.dp]
-        self._abandon_passes()  # a step that failed before its update: its parts are dropped
-        if self._holds_every_field() and mine:
-            # Nothing reads the rows before this rank's advantages: the pass runs in the reference's process
-            # (relax.roles.reference_process) beside the actor's forward stage, which comes next and waits for it
-            # (`_reference_done`). On CPU each pass takes a core (the engines idle while a synchronous step
-            # trains); the rows are the same as when run alone. With several updates and no reference rows read
-            # by the advantages (--kl-coef), the update reads them instead, each update's as it starts, and the
-            # process computes the later updates' old-policy rows too (relax.roles.step_passes).
-            sequences = [s.prompt_tokens + s.response_tokens for s in mine]
-            lengths = [len(s.response_tokens) for s in mine]
-            gbs = self.config.global_batch_size or len(mine)
-            if len(mine) // gbs > 1 and not self.config.kl_coef:
-                with_old = self.reference.with_policy
-                self._passes = StepPasses.start(self.reference, step, sequences, lengths,
-                                                self.config.rollout_temperature, gbs, with_old,
-                                                policy=self._policy_tensors() if with_old else None)
-            else:
-                self.reference.start(sequences, lengths, self.config.rollout_temperature)
-                self._reference_pass = (step, t0)
+        self.reference.abandon()  # a step that failed before its update: its parts are dropped
+        if self._holds_every_field() and mine and self.reference.overlaps:
+            # Nothing reads the rows before this rank's advantages: the pass runs beside the actor's forward
+            # stage, which comes next and collects it (`_reference_done`), or in parts the updates read
+            # (relax.roles.reference_source)
+            self.reference.begin(step, mine, self.config.rollout_temperature,
+                                 self.config.global_batch_size or len(mine), self._policy_tensors)
             return {"samples": len(mine), "overlapped": True}
-        with native_device_ops():  # plain host tensors: no CUDA-to-CPU rewriting needed (a Python hop per op)
-            inputs = [{"tokens": torch.tensor(s.prompt_tokens + s.response_tokens, dtype=torch.long),
-                       "response_length": len(s.response_tokens)} for s in mine]
-        logprobs = self.reference.compute_logprobs(inputs, self.config.rollout_temperature) if inputs else []
+        logprobs = self.reference.compute(mine, self.config.rollout_temperature)
         if not self._holds_every_field():
             self.data.put_fields(step, [s.index for s in mine], ref_logprobs=logprobs)
         if layout.dp == 1:
@@ -329,46 +307,21 @@ class TrainerWorker(MegatronRank):
 
     def _reference_done(self, step: int, forward_start: float, forward_end: float,
                         failing: bool = False) -> dict[str, float]:
-        """Wait for step `step`'s reference pass started by `reference_logprobs` (if it runs beside this stage);
-        its rows are kept for the advantages and the update. Returns perf/ref_logprob_time (from the stage's call
-        to the pass's end) and perf/ref_overlap_time (how long the pass and the actor's forward pass ran at once).
-        `failing`: the forward stage raised; the pass is waited for and its result or error dropped."""
-        if self._reference_pass is None:
+        """The rows of the reference pass left running beside the forward stage (kept for the advantages and the
+        update) and its metrics (`ReferenceSource.forward_done`); `failing`: the forward stage raised."""
+        if self.reference is None:
             return {}
-        (pass_step, called), self._reference_pass = self._reference_pass, None
-        if failing:
-            with contextlib.suppress(BaseException):
-                self.reference.result()
-            return {}
-        logprobs, start, end = self.reference.result()
-        to_wall = time.time() - time.perf_counter()  # the child's clock is this one (CLOCK_MONOTONIC)
-        timeline.record("reference log-probs (reference process)", start + to_wall, end + to_wall, step=step,
-                        cat="train", lane="reference process")
-        if pass_step != step:  # a forward stage of another step: never the case in either loop
-            raise RuntimeError(f"step {step}: a reference pass of step {pass_step} was still running")
-        self._keep_rows(step, ref_logprobs=logprobs)
-        return {"perf/ref_logprob_time": end - called,
-                "perf/ref_overlap_time": max(0.0, min(end, forward_end) - max(start, forward_start))}
+        rows, metrics = self.reference.forward_done(step, forward_start, forward_end, failing)
+        if rows is not None:
+            self._keep_rows(step, ref_logprobs=rows)
+        return metrics
 
     def _step_passes(self, step: int) -> StepPasses | None:
-        return self._passes if self._passes is not None and self._passes.step == step else None
+        return self.reference.passes(step) if self.reference is not None else None
 
     def _abandon_passes(self) -> None:
-        passes, self._passes = self._passes, None
-        if passes is not None:
-            passes.abandon()
-
-    def _passes_done(self, passes: StepPasses) -> dict[str, float]:
-        """The parts not yet read (those of samples no update trains on), their spans on the timeline, and their
-        metrics (`StepPasses.finish`)."""
-        metrics = passes.finish()
-        self._passes = None
-        to_wall = time.time() - time.perf_counter()  # the child's clock is this one (CLOCK_MONOTONIC)
-        for kind, start, end in passes.spans:
-            name = "reference log-probs" if kind == REFERENCE else "old-policy log-probs"
-            timeline.record(f"{name} (reference process)", start + to_wall, end + to_wall, step=passes.step,
-                            cat="train", lane="reference process")
-        return metrics
+        if self.reference is not None:
+            self.reference.abandon()
 
     def _policy_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """This rank's model tensors (the state dict's, not copied): the policy that generated the step's samples,

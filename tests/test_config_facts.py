@@ -1,0 +1,66 @@
+"""Derived facts (relax.config.facts): each product of the flags defined once, stored by validation, shown by
+--dry-run."""
+
+from __future__ import annotations
+
+import pytest
+
+from relax.config import facts
+from relax.config.explain import batch_arithmetic
+from relax.config.parser import parse_config
+
+KL = ["--use-kl-loss"]
+
+
+def _config(tmp_path, *flags):
+    return parse_config(["--output-dir", str(tmp_path), *flags])
+
+
+def test_samples_per_step_and_the_data_queue_are_stored_once(tmp_path):
+    c = _config(tmp_path, "--rollout-batch-size", "6", "--n-samples-per-prompt", "4", "--max-staleness", "2",
+                "--fully-async")
+    assert c.samples_per_step == 24 == facts.samples_per_step(c)
+    assert c.data_queue_samples == 72  # the training step and the two the rollout may run ahead
+    assert c.derived["samples_per_step"] == 24  # travels with the config to every role (pickled)
+
+
+@pytest.mark.parametrize("flags, placement", [
+    (KL + ["--debug-rollout-only"], facts.NO_REFERENCE),
+    (KL + ["--fully-async"], facts.REFERENCE_ROLE),  # a later step's reference pass runs beside an update
+    (KL + ["--ref-update-interval", "2"], facts.REFERENCE_ROLE),  # refreshed from the actor: a role of its own
+    (KL + ["--offload-train"], facts.REFERENCE_ROLE),  # the actor is not resident
+    (KL + ["--resource", '{"actor": [1, 2], "rollout": [1, 1]}', "--micro-batch-size", "64"],
+     facts.REFERENCE_IN_RANK),
+    # one rank, one optimizer step per rollout: a whole pass beside the forward stage
+    (KL + ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8"],
+     facts.REFERENCE_CHILD),
+    # several optimizer steps per rollout: the later updates' old-policy rows stream from the child too
+    (KL + ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "4"],
+     facts.REFERENCE_STREAMED),
+    # ... unless the old-policy rows are the engine's
+    (KL + ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
+           "--use-rollout-logprobs"], facts.REFERENCE_CHILD),
+])
+def test_the_reference_placement_is_decided_once_in_validation(tmp_path, flags, placement):
+    c = _config(tmp_path, *flags)
+    assert c.reference_placement == placement
+    lines = batch_arithmetic(c)
+    said = [line for line in lines if line.startswith("reference log-probs:")]
+    if placement == facts.NO_REFERENCE:
+        assert not said
+    else:
+        assert said == [f"reference log-probs: {facts.REFERENCE_WHERE[placement]}"]
+
+
+def test_no_kl_term_needs_no_reference(tmp_path):
+    values = {**_config(tmp_path, *KL), "use_kl_loss": False, "kl_coef": 0.0}
+    assert facts.reference_placement(values, 1) == facts.NO_REFERENCE
+    assert facts.reference_placement({**values, "kl_coef": 0.05}, 1) != facts.NO_REFERENCE  # a KL reward needs one
+
+
+def test_a_gpu_makes_the_reference_a_role(tmp_path, monkeypatch):
+    """The one GPU test (the driver's CUDA): on GPUs a separate reference keeps devices of its own."""
+    monkeypatch.setattr(facts, "driver_has_gpu", lambda: True)
+    assert _config(tmp_path, *KL).reference_placement == facts.REFERENCE_ROLE
+    monkeypatch.setattr(facts, "driver_has_gpu", lambda: False)
+    assert _config(tmp_path, *KL).reference_placement in facts.IN_ACTOR_RANKS
