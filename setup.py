@@ -38,7 +38,8 @@ setup(
         "psutil",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis", "pytest-timeout"],
+        # peft: tests/test_lora_peft.py loads the PEFT adapter --save-hf writes with --lora-rank
+        "test": ["pytest>=8", "hypothesis", "pytest-timeout", "peft"],
         # Real SGLang cannot be installed plainly on a CPU machine (it pins another torch);
         # on GPU machines install it with this extra, on CPU see scripts/install_sglang_cpu.sh.
         "sglang": ["sglang"],

@@ -119,7 +119,7 @@ def test_lora_load_starts_from_saved_adapters(model_dir, samples, tmp_path):
     other = hf_trainer(model_dir, **BASE, lora=LoraSettings(rank=2, alpha=8.0, seed=5))
     with pytest.raises(ValueError, match="--lora-load"):
         load_adapters(other, str(tmp_path / "ckpt"))
-    with pytest.raises(ValueError, match="not a Relax checkpoint"):
+    with pytest.raises(ValueError, match="neither a PEFT adapter"):
         load_adapters(fresh, str(model_dir))
 
 

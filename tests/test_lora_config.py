@@ -49,6 +49,8 @@ def test_lora_off_by_default_and_on_with_merge_sync():
     (["--lora-rank", "8", "--lora-merge-sync", "--only-train-params-name-list", "linear_qkv"],
      "drop --only-train-params-name-list"),
     (["--lora-rank", "8", "--lora-merge-sync", "--num-experts", "4"], "not supported yet: LoRA on MoE expert layers"),
+    (["--lora-rank", "8", "--lora-merge-sync", "--save-hf", "/tmp/hf", "--pipeline-model-parallel-size", "2",
+      "--resource", '{"actor": [1, 2], "rollout": [1, 1]}'], "not supported yet: --save-hf with --lora-rank and"),
 ])
 def test_refusals_name_the_flag_and_the_fix(args, message):
     with pytest.raises(ConfigError) as err:

@@ -2,7 +2,10 @@
 two data-parallel ranks, on CPU over gloo, against one rank: log-probs, loss and the adapters after the steps
 (relax/backends/megatron/lora.py: A of a column-parallel linear replicated and B split like its weight's rows, A of
 a row-parallel linear split like its weight's columns and B replicated). Two spawned processes run every layout
-in turn; the one-rank reference runs in the test process."""
+in turn; the one-rank reference runs in the test process. The PEFT export (--save-hf) gathered over TP equals TP
+1's, and a PEFT adapter written under TP 2 loads back (--lora-load) into a TP 2 trainer exactly."""
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,14 +33,35 @@ LAYOUTS = {
 
 
 def _run(trainer, samples):
+    from relax.backends.megatron.lora_peft import peft_tensors
+
     out = {"logprobs": trainer.compute_logprobs(samples, TEMPERATURE),
            "metrics": [trainer.train_step(samples, toy_pg_loss, TEMPERATURE) for _ in range(STEPS)]}
     out["adapters"] = adapter_tensors(trainer.gpt_model)
     out["weights"] = dict(trainer.export_hf_weights())  # merged
+    out["peft"] = dict(peft_tensors(trainer.gpt_model, trainer.arch))
     return out
 
 
-def _worker(rank, world, path, samples):
+def _peft_round_trip(trainer, path, samples, folder):
+    """--save-hf's PEFT adapter written under TP 2, read back by --lora-load into a fresh TP 2 trainer."""
+    import torch.distributed as dist
+
+    from relax.backends.megatron.checkpoint import finish_hf_folder, snapshot_rank, write_rank
+    from relax.backends.megatron.lora import load_adapters
+
+    snap = snapshot_rank(trainer, save_optim=False, hf=True)
+    write_rank(snap, f"{folder}/ckpt", f"{folder}/hf")
+    if snap.hf_part():
+        finish_hf_folder(Path(folder) / "hf", [snap.hf_part()], str(path))
+    dist.barrier()
+    fresh = hf_trainer(path, **BASE, **LAYOUTS["tp2"])
+    load_adapters(fresh, f"{folder}/hf")
+    return all(torch.equal(a, b) for a, b in zip(fresh.compute_logprobs(samples, TEMPERATURE),
+                                                 trainer.compute_logprobs(samples, TEMPERATURE)))
+
+
+def _worker(rank, world, path, samples, folder):
     from megatron.core import parallel_state as ps
 
     results = {}
@@ -48,6 +72,8 @@ def _worker(rank, world, path, samples):
             per = len(samples) // trainer.layout.dp
             mine = samples[trainer.layout.dp_rank * per:(trainer.layout.dp_rank + 1) * per]
         results[layout] = _run(trainer, mine)
+        if layout == "tp2":
+            results["peft_round_trip"] = _peft_round_trip(trainer, path, samples, folder)
         ps.destroy_model_parallel()
     return results
 
@@ -56,7 +82,8 @@ def _worker(rank, world, path, samples):
 def setup(tmp_path_factory):
     path = build_random_tiny_model(tmp_path_factory.mktemp("lora_par") / "qwen2", "qwen2", seed=21)
     samples = toy_samples(4, seed=9)
-    ranks = run_ranks(_worker, 2, str(path), samples, timeout=400)
+    folder = tmp_path_factory.mktemp("lora_par_peft")
+    ranks = run_ranks(_worker, 2, str(path), samples, str(folder), timeout=400)
     ensure_single_process()
     return {"ranks": ranks, "reference": _run(hf_trainer(path, **BASE), samples), "samples": samples}
 
@@ -83,10 +110,16 @@ def test_lora_layout_matches_one_rank(setup, layout):
         assert set(out["weights"]) == set(ref["weights"])
         worst = max((out["weights"][k] - ref["weights"][k]).abs().max().item() for k in ref["weights"])
         assert worst < 0.1 * BASE["lr"], (layout, worst)
+        assert set(out["peft"]) == set(ref["peft"])  # the PEFT export, gathered over TP
+        assert max((out["peft"][k] - ref["peft"][k]).abs().max().item() for k in ref["peft"]) < 0.1 * BASE["lr"]
     # both ranks hold the same full adapters and merged weights
     a, b = (r[layout] for r in setup["ranks"])
     assert all(torch.equal(a["adapters"][k], b["adapters"][k]) for k in a["adapters"])
     assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
+
+
+def test_peft_export_round_trips_under_tp2(setup):
+    assert all(r["peft_round_trip"] for r in setup["ranks"])
 
 
 def test_adapters_moved(setup):

@@ -50,8 +50,8 @@ def check_values(v: dict, explicit) -> None:
     if not given:
         raise ConfigError(f"--lora-target-modules: give at least one of {', '.join(LORA_TARGETS)} or {ALL_LINEAR}")
     if v["lora_load"] and not Path(v["lora_load"]).exists():
-        raise ConfigError(f"--lora-load {v['lora_load']}: no such folder (give the --save folder or an iter_* "
-                          "folder of a LoRA run)")
+        raise ConfigError(f"--lora-load {v['lora_load']}: no such folder (give a PEFT adapter folder, or the --save "
+                          "folder or an iter_* folder of a LoRA run)")
 
 
 def check_combinations(v: dict, explicit) -> None:
@@ -70,6 +70,9 @@ def check_combinations(v: dict, explicit) -> None:
     if (v.get("num_experts") or 0) > 0 and {"linear_fc1", "linear_fc2"} & set(lora_targets(v)):
         raise ConfigError("not supported yet: LoRA on MoE expert layers (--num-experts with --lora-target-modules "
                           "linear_fc1/linear_fc2/all-linear); use --lora-target-modules linear_qkv linear_proj")
+    if v.get("save_hf") and (v.get("pipeline_model_parallel_size") or 1) > 1:
+        raise ConfigError("not supported yet: --save-hf with --lora-rank and --pipeline-model-parallel-size > 1 (the "
+                          "PEFT adapter is written as one file); drop --save-hf or use PP 1")
     impl = getattr(v.get("transformer_impl"), "name", v.get("transformer_impl"))
     backend = getattr(v.get("attention_backend"), "name", v.get("attention_backend"))
     if impl != "local" and backend != "local" and _driver_has_gpu():

@@ -41,6 +41,7 @@ from relax.backends.megatron.checkpoint_layout import (
 from relax.backends.megatron.cpu_compat import apply_cpu_compat
 from relax.backends.megatron.hf_weights import unwrap_model
 from relax.backends.megatron.lora import checkpoint_state, load_checkpoint_state
+from relax.backends.megatron.lora_peft import ADAPTER_FILE, peft_snapshot, write_config
 from relax.backends.megatron.megatron_options import option
 from relax.backends.megatron.parallel import ParallelLayout
 from relax.weights.sync import _unshared, copy_model_files
@@ -246,13 +247,15 @@ class RankSnapshot:
     meta: Optional[dict[str, Any]] = None  # rank 0; written by whoever completes the checkpoint
     hf_file: Optional[str] = None  # this pipeline stage's HF safetensors file (one writer per stage)
     hf_tensors: Optional[list[tuple[str, torch.Tensor]]] = None
+    adapter_config: Optional[dict[str, Any]] = None  # with LoRA: the HF folder is a PEFT adapter (lora_peft)
 
     def hf_part(self) -> Optional[dict[str, Any]]:
         """What `finish_hf_folder` needs to know of this rank's HF file (None when it writes none)."""
         if not self.hf_tensors:
             return None
         return {"file": self.hf_file, "names": [n for n, _ in self.hf_tensors],
-                "bytes": sum(t.numel() * t.element_size() for _, t in self.hf_tensors)}
+                "bytes": sum(t.numel() * t.element_size() for _, t in self.hf_tensors),
+                **({"adapter_config": self.adapter_config} if self.adapter_config else {})}
 
 
 @torch.no_grad()
@@ -273,11 +276,15 @@ def snapshot_rank(trainer: Any, *, save_optim: bool, hf: bool = False) -> RankSn
     if hf:
         from megatron.core import parallel_state as ps  # megatron-core loads after apply_cpu_compat
 
-        named = [(n, t.detach().to("cpu", copy=True).contiguous()) for n, t in trainer.export_hf_weights()]
+        if trainer.settings.lora is not None:  # the adapters, as PEFT writes them (one file: a single stage)
+            named, snap.adapter_config = peft_snapshot(trainer)
+        else:
+            named = [(n, t.detach().to("cpu", copy=True).contiguous()) for n, t in trainer.export_hf_weights()]
         if (ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
                 and ps.get_context_parallel_rank() == 0):
             pp, stage = trainer.layout.pp, ps.get_pipeline_model_parallel_rank()
             snap.hf_file = "model.safetensors" if pp == 1 else f"model-{stage + 1:05d}-of-{pp:05d}.safetensors"
+            snap.hf_file = ADAPTER_FILE if snap.adapter_config else snap.hf_file
             snap.hf_tensors = named
     return snap
 
@@ -299,6 +306,10 @@ def finish_hf_folder(folder: Path, parts: list[dict[str, Any]], source: Optional
     model folder `source` (--hf-checkpoint, a local folder: checked before the run starts) and, when the
     weights are split by pipeline stage, the index."""
     folder.mkdir(parents=True, exist_ok=True)
+    adapter = next((p["adapter_config"] for p in parts if p.get("adapter_config")), None)
+    if adapter is not None:  # a PEFT adapter of the base --hf-checkpoint: its config, not the model's files
+        write_config(folder, {**adapter, "base_model_name_or_path": source})
+        return
     if source:
         copy_model_files(source, str(folder))
     if len(parts) > 1 or (parts and parts[0]["file"] != "model.safetensors"):

@@ -30,6 +30,7 @@ import re
 import weakref
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -244,8 +245,9 @@ def lora_settings(config: Any) -> Optional[LoraSettings]:
 
 
 def load_adapters(trainer: Any, path: str) -> None:
-    """--lora-load: the adapters of a Relax checkpoint of a LoRA run (a --save folder, an iter_* folder or its
-    actor folder; same rank, targets and parallel layout) into `trainer`'s model; the base, the optimizer and the
+    """--lora-load: the adapters of a PEFT folder (adapter_config.json, as --save-hf writes it with LoRA) or of a
+    Relax checkpoint of a LoRA run (a --save folder, an iter_* folder or its actor folder; same rank, targets and
+    parallel layout) into `trainer`'s model; the base, the optimizer and the
     iteration are left as they are. Every adapter must be in the checkpoint."""
     import torch.distributed as dist
 
@@ -254,11 +256,16 @@ def load_adapters(trainer: Any, path: str) -> None:
     from relax.backends.megatron.hf_weights import unwrap_model
 
     gpt = unwrap_model(trainer.model)
-    kind, where = resolve_model_checkpoint(path)
-    if kind != "relax":
-        raise ValueError(f"--lora-load {path}: a Hugging Face folder, not a Relax checkpoint of a LoRA run "
-                         "(loading PEFT adapters is not supported yet)")
-    state = load_state_file(where / rank_file(dist.get_rank()), read_meta(where).get("iteration"))["model"]
+    if (Path(path) / "adapter_config.json").is_file():  # a PEFT adapter (relax.backends.megatron.lora_peft)
+        from relax.backends.megatron.lora_peft import load_peft_state
+
+        state = load_peft_state(gpt, trainer.arch, path)
+    else:
+        kind, where = resolve_model_checkpoint(path)
+        if kind != "relax":
+            raise ValueError(f"--lora-load {path}: a Hugging Face model folder, neither a PEFT adapter "
+                             "(adapter_config.json) nor a Relax checkpoint of a LoRA run")
+        state = load_state_file(where / rank_file(dist.get_rank()), read_meta(where).get("iteration"))["model"]
     keys = sorted(n for n, p in gpt.named_parameters() if is_adapter_param(p))
     missing = [k for k in keys if k not in state]
     if missing:

@@ -9,7 +9,9 @@ def add_flags(parser):
                    help="Reference model checkpoint; also the starting point for the actor when --load is unset.")
     g.add_argument("--ref-ckpt-step", type=int, default=None, help="Step of the reference checkpoint to load.")
     g.add_argument("--save-hf", type=str, default=None,
-                   help="Also write Hugging Face weights here at each save; may contain {rollout_id}.")
+                   help="Also write Hugging Face weights here at each save; may contain {rollout_id}. With "
+                        "--lora-rank: the PEFT adapter (adapter_config.json + adapter_model.safetensors) of the "
+                        "--hf-checkpoint base.")
     g.add_argument("--rotate-ckpt", action="store_true", default=False,
                    help="Keep a bounded set of checkpoints, deleting old ones (needs --save, --save-interval, --async-save).")
     g.add_argument("--max-actor-ckpt-to-keep", type=int, default=None,

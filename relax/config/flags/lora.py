@@ -21,9 +21,10 @@ def add_flags(parser):
                    help="Initialisation of A (kaiming: PEFT's kaiming-uniform; gaussian: N(0, 1/r^2)); B starts "
                         "at zero, so the model starts as the base.")
     g.add_argument("--lora-load", type=str, default=None,
-                   help="Start from the adapters of a Relax checkpoint written by a LoRA run (its --save folder or "
-                        "an iter_* folder; same rank, targets and parallel layout); the base comes from "
-                        "--hf-checkpoint / --ref-load.")
+                   help="Start from these adapters: a PEFT adapter folder (adapter_config.json; what --save-hf "
+                        "writes with LoRA) or a Relax checkpoint of a LoRA run (its --save folder or an iter_* "
+                        "folder; same parallel layout); same rank and targets. The base comes from --hf-checkpoint "
+                        "/ --ref-load.")
     g.add_argument("--lora-merge-sync", action="store_true", default=False,
                    help="Push merged weights (W + alpha / r * B @ A) to the engines through the normal weight "
                         "push, so the engines need no LoRA support. Needed with --lora-rank: adapter-only sync is "
