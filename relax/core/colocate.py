@@ -27,7 +27,6 @@ from typing import Any, Sequence
 
 import ray
 
-from relax.backends.engine_client import EngineClient
 
 logger = logging.getLogger("relax")
 
@@ -35,17 +34,15 @@ WEIGHTS, KV_CACHE = "weights", "kv_cache"
 
 
 class ColocateProtocol:
-    def __init__(self, config: Any, workers: Sequence[Any], engine_urls: Sequence[str], rollout: Any = None):
-        """`rollout`: the rollout manager actor, whose engine pool the engines' calls go through; without it
-        (a fixed set of engines) they go to `engine_urls` directly."""
+    def __init__(self, config: Any, workers: Sequence[Any], rollout: Any):
+        """`rollout`: the rollout manager actor, whose engine pool the engines' calls go through (the engines of
+        the moment); None, or --debug-train-only, when the run has no engines."""
         self.config = config
         self.workers = list(workers)
         self.rollout = rollout
         self.offload_train = bool(config.offload_train) and bool(self.workers) and not config.debug_rollout_only
-        self.offload_rollout = bool(config.offload_rollout) and bool(engine_urls) and not config.rollout_external
-        control = {"timeout_s": config.engine_control_timeout, "deadline_flag": "--engine-control-timeout"}
-        self.clients = ([EngineClient(u, **control) for u in engine_urls]
-                        if self.offload_rollout and rollout is None else [])
+        self.offload_rollout = (bool(config.offload_rollout) and rollout is not None and not config.debug_train_only
+                                and not config.rollout_external)
         self.trainer_offloaded = False
         self.released: set[str] = set()
 
@@ -78,10 +75,7 @@ class ColocateProtocol:
         if not self.offload_rollout:
             return {}
         t0 = time.perf_counter()
-        if self.rollout is not None:
-            ray.get(self.rollout.release_engine_memory.remote(tags))
-        for client in self.clients:
-            client.release_memory(tags)
+        ray.get(self.rollout.release_engine_memory.remote(tags))
         self.released |= set(tags)
         return {"perf/engine_release_time": time.perf_counter() - t0}
 
@@ -90,10 +84,7 @@ class ColocateProtocol:
         if not tags:
             return 0.0
         t0 = time.perf_counter()
-        if self.rollout is not None:
-            ray.get(self.rollout.resume_engine_memory.remote(tags))
-        for client in self.clients:
-            client.resume_memory(tags)
+        ray.get(self.rollout.resume_engine_memory.remote(tags))
         self.released -= set(tags)
         return time.perf_counter() - t0
 

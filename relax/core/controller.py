@@ -153,7 +153,7 @@ class Controller:
         if c.load or c.pretrained_checkpoint:  # bounded like a save: a rank stuck reading it ends the run by name
             source = c.load or c.pretrained_checkpoint
             self._resume(c.load, source, engine_urls)
-        run.colocate = ColocateProtocol(c, run.workers, engine_urls, rollout=run.rollout)
+        run.colocate = ColocateProtocol(c, run.workers, run.rollout)
         self.started = True
 
     def _create_trainers(self) -> list[Any]:
@@ -236,7 +236,7 @@ class Controller:
         self._resume(load, load, engine_urls)
         # the pool's record of the engines' weights: the checkpoint's, as pushed
         run.rollout_call("weights_pushed", "weight version", None, run.start_step, engine_urls)
-        run.colocate = ColocateProtocol(config, run.workers, engine_urls, rollout=run.rollout)
+        run.colocate = ColocateProtocol(config, run.workers, run.rollout)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
