@@ -11,6 +11,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from relax.config.facts import samples_per_step
+
 EMBEDDED_MARKER = "embedded_default"
 
 # Tuned for the tiny model on the `successor` task (see relax.models.tasks.TINY_GRPO_RECOMMENDED):
@@ -97,7 +99,7 @@ def apply_embedded_default(values: dict[str, Any], explicit: frozenset[str]) -> 
         if key in values and key not in explicit:
             values[key] = val
     # Keep the preset's batch shape consistent when the user changed the batch flags.
-    samples = values["rollout_batch_size"] * values["n_samples_per_prompt"]
+    samples = samples_per_step(values)
     steps = values.get("num_steps_per_rollout")
     if "num_steps_per_rollout" not in explicit and "global_batch_size" in explicit:
         values["num_steps_per_rollout"] = steps = None  # the user's global batch decides
