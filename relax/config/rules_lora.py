@@ -58,6 +58,8 @@ def check_combinations(v: dict, explicit) -> None:
     """Combinations LoRA cannot serve yet, refused with what to do instead."""
     if not v.get("lora_rank"):
         return
+    # The engines' side and the push of adapter-only sync exist (relax.backends.embedded.lora,
+    # relax.backends.megatron.lora_sync), but the rollout's requests do not name the adapter yet: a run cannot use it.
     if not v["lora_merge_sync"]:
         raise ConfigError("not supported yet: adapter-only sync (--lora-rank without --lora-merge-sync); add "
                           "--lora-merge-sync (the engines then receive merged weights)")

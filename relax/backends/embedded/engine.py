@@ -52,6 +52,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from relax.backends.embedded import prefix, shared_weights
+from relax.backends.embedded.lora import LoraServing
 from relax.backends.embedded.weight_names import expert_aliases
 from relax.backends.embedded.routing import RouteCapture
 from relax.backends.embedded.sampling import SamplingParams, sample_batch, seeded_position_seed
@@ -120,6 +121,7 @@ class EmbeddedEngine:
         fwd_params = inspect.signature(type(self.model).forward).parameters
         self._cache_kw = "cache" if "cache" in fwd_params else "past_key_values"
         self._routes = RouteCapture(self.model)  # return_routed_experts (R3), see routing.py
+        self.lora = LoraServing(self.model)  # SGLang's LoRA endpoints: base + one adapter (lora.py)
 
         self._lock = threading.Condition()
         self._pending: deque[GenRequest] = deque()
@@ -586,7 +588,7 @@ class EmbeddedEngine:
         row_mask = mask if reps is None else mask[reps]
         pos = (row_mask.cumsum(dim=1) - 1).clamp(min=0)
         want_prompt_lp = any(r.return_logprob and r.logprob_start_len >= 0 for r in group)
-        with self._routes.recording(any(r.return_routed_experts for r in group)) as routes:
+        with self._routes.recording(any(r.return_routed_experts for r in group)) as routes, self.lora.rows(rows):
             out = self.model(
                 input_ids=ids.to(self.device),
                 attention_mask=row_mask.to(self.device),
@@ -708,7 +710,7 @@ class EmbeddedEngine:
         assert b is not None
         bsz = len(b)
         b.mask = torch.cat([b.mask, torch.ones((bsz, 1), dtype=b.mask.dtype, device=b.mask.device)], dim=1)
-        with self._routes.recording(any(r.return_routed_experts for r in b.reqs)) as routes:
+        with self._routes.recording(any(r.return_routed_experts for r in b.reqs)) as routes, self.lora.rows(b.reqs):
             out = self.model(
                 input_ids=b.last[:, None],
                 attention_mask=b.mask,

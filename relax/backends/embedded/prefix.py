@@ -31,10 +31,10 @@ import torch
 def plan(group: Sequence) -> list[int] | None:
     """For each request of `group`, the index of the prefill row it reads (rows numbered in order of first
     appearance of each distinct prompt), or None when every prompt of the group is distinct."""
-    first: dict[tuple[int, ...], int] = {}
+    first: dict[tuple, int] = {}
     src: list[int] = []
     for r in group:
-        key = tuple(r.input_ids)
+        key = (r.lora_name, *r.input_ids)  # the same prompt under another adapter (lora.py) is another row
         row = first.get(key)
         if row is None:
             row = first[key] = len(first)

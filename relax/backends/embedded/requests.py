@@ -51,6 +51,7 @@ class GenRequest:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     return_routed_experts: bool = False  # R3: meta_info["routed_experts"] (see routing.py)
+    lora_name: str | None = None  # the loaded adapter it names (SGLang's lora_path; lora.py), None: the base
     # --- state, owned by the scheduler thread ---
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)

@@ -8,7 +8,9 @@ Endpoints (request / response schemas follow SGLang's `http_server.py` and `io_s
 - POST /generate   `text` | `input_ids` (one prompt or a list), `sampling_params` (dict or list),
   `return_logprob`, `logprob_start_len`, `top_logprobs_num`, `rid`, `return_routed_experts` (also as
   `custom_labels["return_routed_experts"]`; meta_info `routed_experts`, see `routing.py`),
-  `custom_labels["sampling_seeds"]` (comma-separated, one `sampling_seed` per prompt of a batch). Answers
+  `custom_labels["sampling_seeds"]` (comma-separated, one `sampling_seed` per prompt of a batch), `lora_path`
+  (the loaded adapter's name, or one per prompt; None: the base; see `lora.py` for /load_lora_adapter and
+  /unload_lora_adapter). Answers
   `{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
   "completion_tokens", "cached_tokens", "weight_version", "e2e_latency",
   ["output_token_logprobs": [[logprob, token_id, null], ...], "input_token_logprobs", ...]}}`,
@@ -66,6 +68,7 @@ from relax import heap
 from relax.backends.auth import OPEN_ENDPOINTS, authorized, engine_api_key
 from relax.backends.embedded import shared_weights
 from relax.backends.embedded.engine import EmbeddedEngine, EngineError
+from relax.backends.embedded.lora import add_lora_routes
 from relax.backends.embedded.metrics_text import EngineMetrics
 from relax.backends.embedded.sampling import SamplingParams
 from relax.observability import timeline
@@ -102,7 +105,7 @@ def build_requests(engine: EmbeddedEngine, body: dict) -> tuple[list, bool]:
     """Parse a /generate body into engine requests. Returns (requests, is_batch)."""
     if body.get("stream"):
         raise EngineError("stream=true is not supported by the embedded engine")
-    for key in ("input_embeds", "image_data", "video_data", "audio_data", "lora_path"):
+    for key in ("input_embeds", "image_data", "video_data", "audio_data"):
         if body.get(key):
             raise EngineError(f"{key} is not supported by the embedded engine")
     text, input_ids = body.get("text"), body.get("input_ids")
@@ -129,6 +132,7 @@ def build_requests(engine: EmbeddedEngine, body: dict) -> tuple[list, bool]:
     labels = body.get("custom_labels") if isinstance(body.get("custom_labels"), dict) else {}
     wants_routes = str(labels.get("return_routed_experts", "")).lower() in ("1", "true")
     rre = _as_list(body.get("return_routed_experts") or wants_routes, n_prompts, "return_routed_experts")
+    adapters = [engine.lora.check(a) for a in _as_list(body.get("lora_path"), n_prompts, "lora_path")]
     # Relax's batched group requests (relax.rollout.generate.SEEDS_LABEL): each prompt's sampling_seed, where
     # SGLang would take a list of sampling_params that sglang-router 0.3.2 refuses
     seeds = labels.get("sampling_seeds")
@@ -173,6 +177,7 @@ def build_requests(engine: EmbeddedEngine, body: dict) -> tuple[list, bool]:
                     return_routed_experts=bool(rre[i]),
                 )
             )
+            reqs[-1].lora_name = adapters[i]
     return reqs, is_batch
 
 
@@ -244,6 +249,8 @@ def create_app(engine: EmbeddedEngine, api_key: str | None = None):
         if not isinstance(data, dict):
             raise EngineError("the JSON body must be an object")
         return data
+
+    add_lora_routes(app, engine, _json)  # /load_lora_adapter, /unload_lora_adapter (lora.py)
 
     @app.exception_handler(EngineError)
     async def _engine_error(_request, exc: EngineError):
