@@ -4,7 +4,6 @@ config, a flag that disagrees with the model is named with both values, the fami
 apart with their own errors), and its flags are no longer refused."""
 
 import importlib.util
-import shlex
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ from transformers import AutoConfig, Glm4Config, NemotronConfig, Qwen2MoeConfig,
 
 from relax.backends.megatron.arch import ModelArch, arch_for_run
 from relax.config import ConfigError, parse_config
+from launch_files import flag_run, model_args
 from relax.config.support import require_supported, unsupported_flags
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,18 +71,6 @@ TINY_QWEN2_MOE_ARGS = [
 ]
 
 
-def _model_args(name: str) -> list[str]:
-    """MODEL_ARGS of examples/launch/models/<name>.sh, as bash splits them."""
-    text = (ROOT / "examples" / "launch" / "models" / name).read_text()
-    body = text[text.index("MODEL_ARGS=(") + len("MODEL_ARGS=("):]
-    return shlex.split(body[:body.index(")")], comments=True)
-
-
-def _run(model, prompt_file, tmp_path, *flags):
-    return ["--hf-checkpoint", str(model), "--prompt-data", prompt_file, "--rollout-batch-size", "2",
-            "--num-rollout", "2", "--output-dir", str(tmp_path / "out"), *flags]
-
-
 def _config_dir(tmp_path, name, config_class, **sizes):
     config_class(**sizes).save_pretrained(tmp_path / name)  # the config is all the checks read
     return tmp_path / name
@@ -130,10 +118,10 @@ FLAG_FILES = {
 @pytest.mark.parametrize("family", list(FLAG_FILES))
 def test_the_flag_file_runs_unchanged_and_builds_the_hf_configs_model(family, prompt_file, tmp_path):
     script, holds, config_class, sizes, more, check_hf = FLAG_FILES[family]
-    args = _model_args(script)
+    args = model_args(script)
     assert holds <= set(args)
     folder = _config_dir(tmp_path, script.removesuffix(".sh"), config_class, **sizes)
-    config = parse_config(_run(folder, prompt_file, tmp_path, *args, "--seq-length", "4096", *more))
+    config = parse_config(flag_run(folder, prompt_file, tmp_path, *args, "--seq-length", "4096", *more))
     assert unsupported_flags(config) == []
     require_supported(config)
     hf = ModelArch.from_hf_config(AutoConfig.from_pretrained(folder))
@@ -167,7 +155,7 @@ def test_the_familys_flags_are_no_longer_refused(family):
 # ------------------------------------------------------------------------------ GLM4
 def test_glm4_flags_that_disagree_with_the_model_are_named_with_both_values(tiny_model, prompt_file, tmp_path):
     # the GLM4 flag file used with the tests' qwen2 model
-    msg = _refused_naming(_run(tiny_model, prompt_file, tmp_path, *TINY_GLM4_ARGS),
+    msg = _refused_naming(flag_run(tiny_model, prompt_file, tmp_path, *TINY_GLM4_ARGS),
                           ["--rotary-percent 0.5: the HF config gives 1.0 (partial_rotary_factor",
                            "--rotary-interleaved: the HF config's model is built without it (model_type glm4",
                            "--post-self-attn-layernorm: the HF config's model is built without it (model_type glm4",
@@ -175,11 +163,11 @@ def test_glm4_flags_that_disagree_with_the_model_are_named_with_both_values(tiny
     assert "--hidden-size" not in msg  # the sizes agree
     # and the right family with another fraction rotated
     folder = _config_dir(tmp_path, "glm4", Glm4Config, **TINY_GLM4)
-    config = parse_config(_run(folder, prompt_file, tmp_path, *TINY_GLM4_ARGS))
+    config = parse_config(flag_run(folder, prompt_file, tmp_path, *TINY_GLM4_ARGS))
     assert arch_for_run(config) == ModelArch.from_hf_config(AutoConfig.from_pretrained(folder))
     wrong = [a if a != "0.5" else "0.25" for a in TINY_GLM4_ARGS]
     with pytest.raises(ConfigError, match=r"--rotary-percent 0.25: the HF config gives 0.5 \(partial_rotary_factor"):
-        parse_config(_run(folder, prompt_file, tmp_path, *wrong))
+        parse_config(flag_run(folder, prompt_file, tmp_path, *wrong))
 
 
 def test_glm4_features_come_together():
@@ -204,21 +192,21 @@ def test_glm4_features_come_together():
 # ------------------------------------------------------------------------------ Nemotron
 def test_nemotron_flags_that_disagree_with_the_model_are_named_with_both_values(tiny_model, prompt_file, tmp_path):
     # the Nemotron flag file used with the tests' qwen2 model
-    msg = _refused_naming(_run(tiny_model, prompt_file, tmp_path, *TINY_NEMOTRON_ARGS),
+    msg = _refused_naming(flag_run(tiny_model, prompt_file, tmp_path, *TINY_NEMOTRON_ARGS),
                           ["--squared-relu: the HF config's model is built without it (hidden_act relu2",
                            "--apply-layernorm-1p: the HF config's model is built without it (model_type nemotron",
                            "--rotary-percent 0.5: the HF config gives 1.0 (partial_rotary_factor"])
     assert "--hidden-size" not in msg  # the sizes agree
     # the right family with another fraction rotated, or with a qwen2 flag file's MLP and norm
     folder = _config_dir(tmp_path, "nemotron", NemotronConfig, **TINY_NEMOTRON)
-    config = parse_config(_run(folder, prompt_file, tmp_path, *TINY_NEMOTRON_ARGS))
+    config = parse_config(flag_run(folder, prompt_file, tmp_path, *TINY_NEMOTRON_ARGS))
     assert arch_for_run(config) == ModelArch.from_hf_config(AutoConfig.from_pretrained(folder))
     wrong = [a if a != "0.5" else "0.25" for a in TINY_NEMOTRON_ARGS]
     with pytest.raises(ConfigError, match=r"--rotary-percent 0.25: the HF config gives 0.5 \(partial_rotary_factor"):
-        parse_config(_run(folder, prompt_file, tmp_path, *wrong))
+        parse_config(flag_run(folder, prompt_file, tmp_path, *wrong))
     own = ("--squared-relu", "--apply-layernorm-1p", "--rotary-percent", "0.5", "--normalization", "LayerNorm")
     qwen2_style = [a for a in TINY_NEMOTRON_ARGS if a not in own]
-    _refused_naming(_run(folder, prompt_file, tmp_path, *qwen2_style, "--swiglu", "--normalization", "RMSNorm"),
+    _refused_naming(flag_run(folder, prompt_file, tmp_path, *qwen2_style, "--swiglu", "--normalization", "RMSNorm"),
                     ["--swiglu: the HF config's model is built without it",
                      "--normalization RMSNorm: the HF config gives LayerNorm"])
 
@@ -249,18 +237,18 @@ def test_nemotron_features_come_together():
 # ------------------------------------------------------------------------------ Qwen2-MoE
 def test_qwen2_moe_flags_that_disagree_with_the_model_are_named_with_both_values(prompt_file, tmp_path):
     folder = _config_dir(tmp_path, "qwen2moe", Qwen2MoeConfig, **TINY_QWEN2_MOE)
-    config = parse_config(_run(folder, prompt_file, tmp_path, *TINY_QWEN2_MOE_ARGS))
+    config = parse_config(flag_run(folder, prompt_file, tmp_path, *TINY_QWEN2_MOE_ARGS))
     assert arch_for_run(config) == ModelArch.from_hf_config(AutoConfig.from_pretrained(folder))
     wrong = [a if a != "48" else "96" for a in TINY_QWEN2_MOE_ARGS]
     with pytest.raises(ConfigError, match=r"--moe-shared-expert-intermediate-size 96: the HF config gives 48 "
                                           r"\(shared_expert_intermediate_size"):
-        parse_config(_run(folder, prompt_file, tmp_path, *wrong))
+        parse_config(flag_run(folder, prompt_file, tmp_path, *wrong))
     # the Qwen2-MoE flag file used with a Qwen3-MoE model of the same sizes: no shared expert, no QKV biases,
     # top-k weights renormalised
     qwen3 = _config_dir(tmp_path, "qwen3moe", Qwen3MoeConfig, head_dim=16, norm_topk_prob=True,
                         **{k: v for k, v in TINY_QWEN2_MOE.items() if k not in ("shared_expert_intermediate_size",
                                                                       "norm_topk_prob")})
-    msg = _refused_naming(_run(qwen3, prompt_file, tmp_path, *TINY_QWEN2_MOE_ARGS), [
+    msg = _refused_naming(flag_run(qwen3, prompt_file, tmp_path, *TINY_QWEN2_MOE_ARGS), [
         "--moe-shared-expert-intermediate-size 48: the HF config has none (shared_expert_intermediate_size",
         "--moe-shared-expert-gate: the HF config's model is built without it (model_type qwen2_moe",
         "--add-qkv-bias: the HF config's model is built without it",
@@ -295,7 +283,7 @@ def test_the_shared_expert_flags_come_together_with_their_moe_family():
 def test_without_a_readable_hf_config_only_contradicting_moe_flags_are_refused(prompt_file, tmp_path):
     # a launch script's --dry-run on another machine: the model path does not exist here, so the flags may be part
     # of the model's description (the HF config gives the rest), but a shared expert in Qwen3-MoE is no model
-    run = _run(tmp_path / "absent", prompt_file, tmp_path, "--num-experts", "4", "--moe-router-topk", "2")
+    run = flag_run(tmp_path / "absent", prompt_file, tmp_path, "--num-experts", "4", "--moe-router-topk", "2")
     assert parse_config(run).num_experts == 4
     with pytest.raises(ConfigError, match="--moe-shared-expert-intermediate-size 48 with --qk-layernorm: Qwen3-MoE"):
         parse_config(run + ["--qk-layernorm", "--moe-shared-expert-intermediate-size", "48"])

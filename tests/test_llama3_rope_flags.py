@@ -4,7 +4,6 @@ warning, as Megatron reads it only for multi-latent attention), refused naming t
 the parameters Megatron fixes (low/high frequency factors, original context length) differs."""
 
 import importlib.util
-import shlex
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ from transformers import AutoConfig, LlamaConfig
 
 from relax.backends.megatron.arch import ModelArch, arch_for_run
 from relax.config import ConfigError, parse_config
+from launch_files import flag_run, model_args
 from relax.config.support import no_effect_flags, no_effect_warnings, require_supported, unsupported_flags
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,18 +25,6 @@ LLAMA31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, 
                                    "original_max_position_embeddings": 8192})
 
 
-def model_args(name: str) -> list[str]:
-    """MODEL_ARGS of examples/launch/models/<name>, as bash splits them."""
-    text = (ROOT / "examples" / "launch" / "models" / name).read_text()
-    body = text[text.index("MODEL_ARGS=(") + len("MODEL_ARGS=("):]
-    return shlex.split(body[:body.index(")")], comments=True)
-
-
-def _run(model, prompt_file, tmp_path, *flags):
-    return ["--hf-checkpoint", str(model), "--prompt-data", prompt_file, "--rollout-batch-size", "2",
-            "--num-rollout", "2", "--output-dir", str(tmp_path / "out"), *flags]
-
-
 def _config_dir(tmp_path, name, **changes):
     rope = {**LLAMA31_8B["rope_parameters"], **changes}
     LlamaConfig(**{**LLAMA31_8B, "rope_parameters": rope}).save_pretrained(tmp_path / name)  # all the checks read
@@ -47,7 +35,7 @@ def test_the_llama31_flag_file_runs_unchanged_and_builds_the_hf_configs_model(pr
     args = model_args("llama3.1-8B-Instruct.sh")
     assert {"--use-rope-scaling", "--rotary-scaling-factor"} <= set(args)
     folder = _config_dir(tmp_path, "llama31")
-    config = parse_config(_run(folder, prompt_file, tmp_path, *args))
+    config = parse_config(flag_run(folder, prompt_file, tmp_path, *args))
     assert unsupported_flags(config) == []
     require_supported(config)
     hf = ModelArch.from_hf_config(AutoConfig.from_pretrained(folder))
@@ -63,16 +51,16 @@ def test_a_rotary_scaling_factor_other_than_the_models_is_refused_naming_both_fl
     folder = _config_dir(tmp_path, "llama31")
     args = [a if a != "8.0" else "4.0" for a in model_args("llama3.1-8B-Instruct.sh")]
     with pytest.raises(ConfigError) as exc:
-        parse_config(_run(folder, prompt_file, tmp_path, *args))
+        parse_config(flag_run(folder, prompt_file, tmp_path, *args))
     msg = str(exc.value)
     assert "--rotary-scaling-factor 4.0: Megatron reads it only for multi-latent attention" in msg, msg
     assert "the HF config's rope_scaling.factor, 8.0 (set --rope-scaling-factor" in msg, msg
     # without a config.json to read (a --dry-run for another machine) it is compared with --rope-scaling-factor
     with pytest.raises(ConfigError, match=r"--rotary-scaling-factor 4.0: .* uses --rope-scaling-factor, 8.0"):
-        parse_config(_run(tmp_path / "elsewhere", prompt_file, tmp_path, *args))
+        parse_config(flag_run(tmp_path / "elsewhere", prompt_file, tmp_path, *args))
     # and so is --rope-scaling-factor itself
     with pytest.raises(ConfigError, match=r"--rope-scaling-factor 32.0: the HF config gives 8.0"):
-        parse_config(_run(folder, prompt_file, tmp_path, *model_args("llama3.1-8B-Instruct.sh"),
+        parse_config(flag_run(folder, prompt_file, tmp_path, *model_args("llama3.1-8B-Instruct.sh"),
                           "--rope-scaling-factor", "32"))
 
 
@@ -81,14 +69,14 @@ def test_llama3_parameters_megatron_fixes_are_checked_against_the_config(prompt_
     # Megatron's --use-rope-scaling fixes them at Llama 3.1's; a config with others is another model
     folder = _config_dir(tmp_path, "other", **changes)
     with pytest.raises(ConfigError) as exc:
-        parse_config(_run(folder, prompt_file, tmp_path, *model_args("llama3.1-8B-Instruct.sh")))
+        parse_config(flag_run(folder, prompt_file, tmp_path, *model_args("llama3.1-8B-Instruct.sh")))
     ((name, value),) = changes.items()
     msg = str(exc.value)
     assert f"--use-rope-scaling: Megatron's llama3 RoPE scaling fixes {name}" in msg, msg
     assert f"the HF config's rope_scaling gives {name} {value}" in msg and "drop --use-rope-scaling" in msg, msg
     # without the flags the HF config's scaling is built, all four parameters
     args = [a for a in model_args("llama3.1-8B-Instruct.sh") if a != "--use-rope-scaling"]
-    config = parse_config(_run(folder, prompt_file, tmp_path, *args))
+    config = parse_config(flag_run(folder, prompt_file, tmp_path, *args))
     assert arch_for_run(config).llama3_rope_off_megatron() == {name: (value, 1.0 if name == "low_freq_factor"
                                                                       else 8192)}
 
