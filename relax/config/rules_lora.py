@@ -19,7 +19,11 @@ ROW_TARGETS = ("linear_proj", "linear_fc2")
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 ALL_LINEAR = "all-linear"
 LORA_INITS = ("kaiming", "gaussian")
-LORA_FLAGS = ("lora_alpha", "lora_dropout", "lora_target_modules", "lora_init", "lora_load", "lora_merge_sync")
+# the defaults of the flags that mean something only with --lora-rank (relax.config.flags.lora uses them): a value
+# equal to its default, as a resolved config file restates it, is not a setting of its own
+LORA_DEFAULTS = {"lora_alpha": 16.0, "lora_dropout": 0.0, "lora_target_modules": [ALL_LINEAR], "lora_init": "kaiming",
+                 "lora_load": None, "lora_merge_sync": False}
+LORA_FLAGS = tuple(LORA_DEFAULTS)
 
 
 def lora_targets(v: dict) -> tuple[str, ...]:
@@ -33,7 +37,7 @@ def check_values(v: dict, explicit) -> None:
     if rank < 0:
         raise ConfigError(f"--lora-rank {rank}: must be >= 0 (0 turns LoRA off)")
     if rank == 0:
-        given = [f"--{d.replace('_', '-')}" for d in LORA_FLAGS if d in explicit and v.get(d) not in (None, False)]
+        given = [f"--{d.replace('_', '-')}" for d in LORA_FLAGS if d in explicit and v.get(d) != LORA_DEFAULTS[d]]
         if given:
             raise ConfigError(f"{', '.join(given)} set without --lora-rank: they do nothing with LoRA off; add "
                               "--lora-rank R (R > 0) or drop them")
