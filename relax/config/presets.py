@@ -29,10 +29,11 @@ EMBEDDED_MARKER = "embedded_default"
 # * --entropy-coef 0.01: without it a seed could end deterministic on a wrong or empty answer for some
 #   prompts (seed 1234: entropy 0.007, every group zero-variance, reward 0.69 at step 99 after 0.98 at step
 #   33); the KL term cannot pull such a policy back, its sampled-token gradient vanishes once p ~ 1. With it
-#   the same seed ends at 0.84-0.96 (benchmarks/seed_sweep.py; README "The embedded default").
+#   the same seed ends at 0.84-0.96 (benchmarks/seed_sweep.py; docs/benchmarks.md, "Learning: seed sweep of
+#   the main job").
 # One micro-batch per optimizer step (128 samples): the per-token mean is then over the whole step whatever
 # the trainer's micro-batch weighting, and the update pass is ~2x faster than 8 micro-batches of 16.
-# Measured spread over seeds: README ("The embedded default"), benchmarks/seed_sweep.py.
+# Measured spread over seeds: docs/benchmarks.md ("Learning: seed sweep of the main job"), benchmarks/seed_sweep.py.
 EMBEDDED_PRESET: dict[str, Any] = {
     "rollout_batch_size": 32,
     "n_samples_per_prompt": 16,
