@@ -34,7 +34,8 @@ def assets(tmp_path_factory):
     return base, str(shared_tiny_model()), str(data)
 
 
-def make_config(assets, out, steps):
+def make_config(assets, out, steps, *extra):
+    """The runs' flags (2 engines, fault tolerance with fast probes), then `extra` (later flags win)."""
     base, model, data = assets
     return parse_config([
         "--hf-checkpoint", model, "--prompt-data", data, "--apply-chat-template", "--input-key", "input",
@@ -45,7 +46,7 @@ def make_config(assets, out, steps):
         "--use-fault-tolerance", "--rollout-health-check-interval", str(INTERVAL),
         "--rollout-health-check-timeout", str(TIMEOUT),
         "--save-debug-rollout-data", str(base / out / "rollout_{rollout_id}.jsonl"),
-        "--output-dir", str(base / out)])
+        "--output-dir", str(base / out), *extra])
 
 
 def wait_active(rollout, count, timeout_s=180.0):
@@ -72,8 +73,10 @@ def check_samples(config, records):
         assert {s.weight_version for s in samples} == {step}, step  # step 0: --hf-checkpoint, reported as 0
 
 
-def run_with_faults(config, faults):
-    """Run `config` with `faults` armed; returns (metrics records, pool events, final engines)."""
+def run_with_faults(config, faults, add_engine=True):
+    """Run `config` with `faults` armed; returns (metrics records, pool events, each engine's weight version at
+    the end). Every engine of the end (the replacements, and one added after the run when `add_engine`) gives
+    the same greedy log-probs: they serve the same weights."""
     shared_ray()
     controller = Controller(config)
     try:
@@ -81,17 +84,16 @@ def run_with_faults(config, faults):
         for fault in faults:
             ray.get(controller.rollout.inject_engine_fault.remote(fault))
         controller.run()
-        engines = wait_active(controller.rollout, 2)
-        versions = {e["url"]: EngineClient(e["url"], timeout_s=30).get_weight_version() for e in engines}
+        urls = [e["url"] for e in wait_active(controller.rollout, 2)]
         events = ray.get(controller.rollout.engine_events.remote())
-        # an engine added now gets the last push's weights before it serves: the same answer as an old engine
-        (added,) = ray.get(controller.rollout.add_engines.remote(1))
-        versions[added] = EngineClient(added, timeout_s=30).get_weight_version()
+        if add_engine:  # an engine added now gets the last push's weights before it serves
+            urls += ray.get(controller.rollout.add_engines.remote(1))
+        versions = {u: EngineClient(u, timeout_s=30).get_weight_version() for u in urls}
         payload = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "temperature": 0.0},
                    "return_logprob": True}
-        answers = [EngineClient(u, timeout_s=60)._post("/generate", payload) for u in (engines[0]["url"], added)]
-        assert [a["meta_info"]["output_token_logprobs"] for a in answers][0] == \
-            answers[1]["meta_info"]["output_token_logprobs"]
+        answers = [EngineClient(u, timeout_s=60)._post("/generate", payload)["meta_info"]["output_token_logprobs"]
+                   for u in urls]
+        assert all(a == answers[0] for a in answers), dict(zip(urls, answers))
     finally:
         controller.shutdown()
     assert_ray_released()
@@ -101,6 +103,23 @@ def run_with_faults(config, faults):
 
 def injected(events, target):
     return next(e for e in events if e["kind"] == "fault_injected" and e.get("target", "engine") == target)
+
+
+def check_killed_engine_replaced(events, record, step):
+    """The engine killed at `step` (its metrics `record`) died holding requests; it was found failed and replaced;
+    the replacement joined serving the version of the last push before it joined (`step`'s, or the next one's
+    when it came up after that), and that push's weights were sent to it (the kept copy of trainer rank 0, or the
+    push itself). Returns the (fault_injected, engine_failed, engine_replaced) events."""
+    assert record["engines/failed"] == 1, record
+    engine_kill = injected(events, "engine")
+    failed = next(e for e in events if e["kind"] == "engine_failed")
+    replaced = next(e for e in events if e["kind"] == "engine_replaced")
+    assert engine_kill["in_flight"] and failed["url"] == engine_kill["url"] and replaced["old_url"] == failed["url"]
+    pushes = [e for e in events if e["kind"] == "weights_pushed" and e["time"] < replaced["time"]]
+    assert replaced["weight_version"] == pushes[-1]["weight_version"] in (str(step), str(step + 1))
+    synced = [e for e in events if e["kind"] == "engine_synced" and e["url"] == replaced["url"]]
+    assert synced and synced[-1]["pushed"]
+    return engine_kill, failed, replaced
 
 
 # Each run tests two recoveries one after the other (a whole run costs ~45 s of start-up and shutdown on 2 cores):
@@ -119,17 +138,7 @@ def test_killed_router_then_killed_engine_lose_no_sample(assets):
     # the engine: it died holding requests; they were sent again (by sglang-router's own retry to another
     # worker, or by the rollout's failover resends), since every sample of the step is there once
     fault = records[2]
-    assert fault["engines/failed"] == 1, fault
-    engine_kill = injected(events, "engine")
-    failed = next(e for e in events if e["kind"] == "engine_failed")
-    replaced = next(e for e in events if e["kind"] == "engine_replaced")
-    assert engine_kill["in_flight"] and failed["url"] == engine_kill["url"] and replaced["old_url"] == failed["url"]
-    # it joined serving the version of the last push before it joined (step 1's, or step 2's when it came up
-    # after that), and that push's weights were sent to it (the kept copy of trainer rank 0, or the push itself)
-    pushes = [e for e in events if e["kind"] == "weights_pushed" and e["time"] < replaced["time"]]
-    assert replaced["weight_version"] == pushes[-1]["weight_version"] in ("2", "3")
-    synced = [e for e in events if e["kind"] == "engine_synced" and e["url"] == replaced["url"]]
-    assert synced and synced[-1]["pushed"]
+    engine_kill, failed, replaced = check_killed_engine_replaced(events, fault, step=2)
     assert set(versions.values()) == {"3"}  # step 2's push reached the replacement; the added engine got it too
     print(f"router: restarted {restarted['time'] - router_kill['time']:.2f} s after the kill; engine: resends "
           f"{fault['rollout/failover_resends']:g}, detected after {failed['time'] - engine_kill['time']:.2f} s, "

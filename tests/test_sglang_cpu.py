@@ -7,12 +7,15 @@ named by $RELAX_SGLANG_PYTHON, else <repo>/.venv-sglang/bin/python. Install it w
 - generation with log-probs equal to a transformers forward pass (greedy and sampled, batched);
 - a weight update from tensors (begin/end_weight_update, shared memory) changes the outputs, and the
   log-probs then equal those of the new weights; the weight version follows;
-- a few GRPO steps through the controller with `--rollout-backend sglang`.
+- a few GRPO steps through the controller with `--rollout-backend sglang`, on the tests' shared Ray cluster
+  started again with the SGLang interpreter in its environment (`sglang_ray`, also used by
+  tests/test_sglang_fault_tolerance.py).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -20,6 +23,7 @@ import pytest
 import torch
 
 from relax.backends.auth import ensure_engine_api_key
+from relax.backends.engine_client import EngineClient
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,6 +43,30 @@ SKIP_MSG = ("no SGLang venv: install it with `bash scripts/install_sglang_cpu.sh
 def _require_sglang() -> None:
     if SGLANG_PY is None:
         pytest.skip(SKIP_MSG)
+
+
+@pytest.fixture(scope="module")
+def sglang_ray():
+    """The tests' shared Ray cluster (conftest.shared_ray), started afresh with $RELAX_SGLANG_PYTHON set in this
+    process, whose environment the cluster's workers inherit: every engine actor, also one the rollout manager
+    starts later to replace another, launches SGLang from the SGLang venv. A cluster started earlier in the session
+    lacks it (a skip here used to make CI skip the controller test). Shut down at the end: later tests get a
+    cluster without it (tests/test_router_sglang_launcher.py expects no SGLang)."""
+    import ray
+
+    from conftest import shared_ray
+    from relax.backends.sglang.server import SGLANG_PYTHON_ENV
+
+    _require_sglang()
+    ray.shutdown()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(SGLANG_PYTHON_ENV, SGLANG_PY)
+        shared_ray()
+        try:
+            yield
+        finally:
+            ray.shutdown()
+
 
 PROMPTS = [
     [257, 84, 82, 68, 81, 198, 18, 10, 19, 28, 258, 198, 257, 64],
@@ -72,6 +100,37 @@ def test_cpu_launch_defaults_env_and_python(monkeypatch):
     assert "/usr/bin/python3" in p.cmd and "--device" not in p.cmd
     p = srv.SGLangServerProcess("/m", port=30123, server_args={"device": "cpu", "dtype": "bfloat16"})
     assert p.on_cpu and p.cmd[p.cmd.index("--dtype") + 1] == "bfloat16"
+
+
+def test_a_taken_port_ends_the_wait_at_once(tmp_path, monkeypatch):
+    """SGLang 0.5.23 whose port was taken logs uvicorn's bind error and then hangs instead of exiting (seen in a
+    run: an engine start then waited out its 300 s start timeout before the retry on another port). The wait ends
+    at the error; an earlier start's error in the same (appended) log does not count."""
+    from relax.backends.sglang import server as srv
+
+    monkeypatch.setattr(srv, "_cuda_available", lambda: False)
+    log = tmp_path / "engine-1.log"
+    line = "ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 33271): address already in use"
+    p = srv.SGLangServerProcess("/m", server_args={}, log_path=str(log), exit_with_parent=False)
+    p.cmd = ["sh", "-c", f"echo \"{line}\"; echo 'INFO:     Waiting for application shutdown.'; exec sleep 60"]
+    t0 = time.monotonic()
+    p.start()
+    try:
+        with pytest.raises(RuntimeError, match=f"could not bind port {p.port}: address already in use"):
+            p.wait_healthy(60)
+        assert time.monotonic() - t0 < 15 and p.is_alive()  # found in the log, while the process still hangs
+    finally:
+        p.stop()
+    # the next start appends to the same log: only its own output counts (here: none, so the wait times out)
+    p = srv.SGLangServerProcess("/m", server_args={}, log_path=str(log), exit_with_parent=False)
+    p.cmd = ["sleep", "60"]
+    p.start()
+    try:
+        with pytest.raises(RuntimeError, match="did not answer 2xx within 2.0s") as err:
+            p.wait_healthy(2)
+        assert "could not bind" not in str(err.value) and not p.bind_failed()
+    finally:
+        p.stop()
 
 
 def test_cpu_shims_import_in_a_plain_interpreter():
@@ -113,7 +172,6 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    from relax.backends.engine_client import EngineClient
     from relax.backends.sglang.server import SGLangServerProcess
 
     _require_sglang()
@@ -175,6 +233,20 @@ def test_generate_logprobs_match_hf_and_weight_update(server, model_dir):
     proc, client = server
     assert client.health_generate()
     assert client.get_weight_version() == "default"
+    # requests in flight, as the fault injection and the pool's drain read them (SGLang 0.5.23: /v1/loads only)
+    assert client.num_requests() == 0
+    busy = threading.Thread(target=client.generate, args=(PROMPTS * 4, {"max_new_tokens": 256, "ignore_eos": True}))
+    busy.start()
+    seen, probe = 0, EngineClient(proc.url, timeout_s=10)
+    while busy.is_alive() and not seen:
+        seen = probe.num_requests()
+        time.sleep(0.02)
+    busy.join()
+    deadline = time.monotonic() + 10  # SGLang's load snapshot may lag its last step a little
+    while probe.num_requests() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert seen > 0 and probe.num_requests() == 0
+    probe.close()
     model = _hf_model(model_dir)
     greedy = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
     sampled = {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True, "sampling_seed": 7}
@@ -203,21 +275,15 @@ def test_generate_logprobs_match_hf_and_weight_update(server, model_dir):
     assert proc.is_alive()
 
 
-def test_grpo_steps_through_controller_with_sglang_backend(model_dir, tmp_path, monkeypatch):
+def test_grpo_steps_through_controller_with_sglang_backend(model_dir, tmp_path, sglang_ray):
+    import json
+
     import ray
 
     from relax.config import parse_config
-    from relax.config import support
-    from relax.config.env import worker_env
     from relax.core.controller import Controller
     from relax.models.tasks import generate_task_dataset
 
-    _require_sglang()
-    if ray.is_initialized():
-        pytest.skip("Ray is already initialized in this process; this test starts its own local cluster")
-    monkeypatch.setitem(support.SUPPORTED_VALUES, "rollout_backend",
-                        support.SUPPORTED_VALUES["rollout_backend"] | {"sglang"})
-    monkeypatch.setenv("RELAX_SGLANG_PYTHON", SGLANG_PY)
     data = generate_task_dataset(tmp_path / "train.jsonl", 16, seed=0, task="add_mod10")
     out = tmp_path / "run"
     config = parse_config([
@@ -228,16 +294,11 @@ def test_grpo_steps_through_controller_with_sglang_backend(model_dir, tmp_path, 
         "--resource", '{"actor": [1, 1], "rollout": [1, 1]}', "--num-data-storage-units", "1",
         "--output-dir", str(out), "--distributed-backend", "gloo", "--rollout-backend", "sglang",
     ])
-    # Started here (not by the controller) to hand RELAX_SGLANG_PYTHON to the engine actor.
-    ray.init(num_cpus=16, include_dashboard=False, _node_ip_address="127.0.0.1",
-             runtime_env={"env_vars": {**worker_env(), "RELAX_SGLANG_PYTHON": SGLANG_PY}})
     controller = Controller(config)
     try:
         controller.start()
         assert len(controller.engine_urls) == 1
         controller.run()
-        from relax.backends.engine_client import EngineClient
-
         client = EngineClient(controller.engine_urls[0], timeout_s=120)
         assert str(client.get_weight_version()) == "2"
         # The SGLang engine serves the trainer's weights: its log-probs equal the trainer's.
@@ -251,11 +312,6 @@ def test_grpo_steps_through_controller_with_sglang_backend(model_dir, tmp_path, 
         assert max(abs(a - b) for a, b in zip(trainer_lp, engine_lp)) < TOL, (trainer_lp, engine_lp)
     finally:
         controller.shutdown()
-        _require_sglang()
-    if ray.is_initialized():
-            ray.shutdown()
-    import json
-
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1]
     assert all(r["rollout/num_samples"] == 8.0 and r["train/grad_norm"] > 0 for r in records)

@@ -170,6 +170,16 @@ class EngineClient:
     def get_load(self) -> Any:
         return self._get("/get_load")
 
+    def num_requests(self) -> int:
+        """Requests the engine holds, running or waiting: `num_reqs` of /get_load (the embedded engine, SGLang
+        before 0.5.2x), else `num_running_reqs + num_waiting_reqs` of /v1/loads (SGLang 0.5.23 has only that)."""
+        load = self._get("/get_load", allow_404=True)
+        if load is not None:
+            rows = load if isinstance(load, list) else [load]
+            return sum(int(r.get("num_reqs", 0)) for r in rows)
+        rows = self._get("/v1/loads?include=core")["loads"]
+        return sum(int(r.get("num_running_reqs", 0)) + int(r.get("num_waiting_reqs", 0)) for r in rows)
+
     def get_weight_version(self) -> str | None:
         body = self._get("/get_weight_version", allow_404=True)
         if body is None:  # older SGLang: only in model info

@@ -373,9 +373,7 @@ class EnginePool:
         try:
             while time.monotonic() < deadline:
                 try:
-                    load = client.get_load()
-                    rows = load if isinstance(load, list) else [load]
-                    if sum(int(r.get("num_reqs", 0)) for r in rows) == 0:
+                    if client.num_requests() == 0:
                         drained = True
                         break
                 except Exception:

@@ -6,8 +6,8 @@ Never active in a normal run: a fault is armed only by the environment variable 
 does) or by a test calling `RolloutManager.inject_engine_fault` on the manager actor. The value is
 `KIND:engine=I:step=N`, e.g. `kill:engine=1:step=1` or `hang:engine=0:step=0`: KIND is `kill` or
 `hang`, I the engine's place in the pool's list (start order), N the rollout step. At that step's
-generation the fault fires as soon as the engine reports a request in flight (its /get_load), or after
-`wait=S` seconds (default 30) if it never does. `KIND:router:step=N` (e.g. `kill:router:step=1`) signals the
+generation the fault fires as soon as the engine reports a request in flight (`EngineClient.num_requests`),
+or after `wait=S` seconds (default 30) if it never does. `KIND:router:step=N` (e.g. `kill:router:step=1`) signals the
 rollout router instead, once the first engine holds a request.
 """
 
@@ -64,9 +64,7 @@ def arm(fault: EngineFault, url: str, send_signal: Callable[[int], None],
     def busy() -> bool:
         client = EngineClient(url, timeout_s=2.0)
         try:
-            load = client.get_load()
-            rows = load if isinstance(load, list) else [load]
-            return sum(int(r.get("num_reqs", 0)) for r in rows) > 0
+            return client.num_requests() > 0
         except Exception:
             return False
         finally:

@@ -33,6 +33,7 @@ _RESERVED = {"model_path", "host", "port", "tp_size", "tp", "api_key"}
 SGLANG_PYTHON_ENV = "RELAX_SGLANG_PYTHON"
 CPU_SHIMS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_shims")
 CPU_DEFAULTS: dict[str, Any] = {"device": "cpu", "dtype": "float32", "max_total_tokens": 16384}
+BIND_FAILED = "address already in use"  # uvicorn's error when the server's port is taken
 
 
 def sglang_python(python: str | None = None) -> str:
@@ -158,18 +159,44 @@ class SGLangServerProcess(ManagedProcess):
             log_path=log_path,
             name=f"sglang-{self.port}",
         )
+        self._log_start = 0  # where the output of the latest start begins in the log (`start`)
 
     @property
     def url(self) -> str:
         return f"http://{url_host(self.host)}:{self.port}"
 
+    def start(self) -> "SGLangServerProcess":
+        # Where this start's output begins in its log (appended to by every start of an engine): the bind error
+        # of an earlier start must not count against this one.
+        self._log_start = os.path.getsize(self.log_path) if self.log_path and os.path.exists(self.log_path) else 0
+        super().start()
+        return self
+
+    def bind_failed(self) -> bool:
+        """The port was taken between `find_free_port` and SGLang's bind (another process's socket, even an
+        outgoing connection's, may get it): uvicorn logs `[Errno 98] ... address already in use`, and SGLang
+        0.5.23 then hangs in its shutdown instead of exiting."""
+        with open(self.log_path, "rb") as f:
+            f.seek(self._log_start)
+            return BIND_FAILED in f.read().decode("utf-8", errors="replace").lower()
+
     def wait_healthy(self, timeout_s: float = 600.0) -> "SGLangServerProcess":
-        """Wait for /health_generate (SGLang answers 200 once a generation went through)."""
+        """Wait for /health_generate (SGLang answers 200 once a generation went through). A failed bind ends the
+        wait at once (naming it, so that the caller can start a server on another port)."""
+        bind_failed = False
+
+        def alive() -> bool:
+            nonlocal bind_failed
+            bind_failed = self.bind_failed()
+            return self.is_alive() and not bind_failed
+
         try:
-            wait_http_ok(self.url + "/health_generate", timeout_s, interval_s=1.0, alive=self.is_alive,
+            wait_http_ok(self.url + "/health_generate", timeout_s, interval_s=1.0, alive=alive,
                          request_timeout_s=30.0)
         except (TimeoutError, RuntimeError) as exc:
-            raise RuntimeError(f"{exc}\n--- server log tail ---\n{self.log_tail()}") from None
+            why = (f"SGLang could not bind port {self.port}: {BIND_FAILED} (it does not exit then)"
+                   if bind_failed else str(exc))
+            raise RuntimeError(f"{why}\n--- server log tail ---\n{self.log_tail()}") from None
         return self
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
