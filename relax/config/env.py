@@ -12,7 +12,9 @@ import yaml
 # servers they start write their spans there.
 TIMELINE_ENV = "RELAX_TIMELINE_DIR"
 # Variables of the controller's own environment that every worker gets too.
-PASSED_TO_WORKERS = (TIMELINE_ENV,)
+# RELAX_SGLANG_PYTHON: the Python of a separate SGLang install (scripts/install_sglang_cpu.sh), which the engine
+# actors launch SGLang's server with, also on a Ray cluster started outside Relax
+PASSED_TO_WORKERS = (TIMELINE_ENV, "RELAX_SGLANG_PYTHON")
 
 # Read by a library when it is imported, so needed in the driver's own environment too (relax-train sets them,
 # unless set already, before it imports the controller): Ray pickles TransferQueue's storage-unit actor class from
