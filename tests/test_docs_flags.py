@@ -40,6 +40,8 @@ FOREIGN = {
     "--data": "benchmarks/async_bench.py", "--warm-runs": "benchmarks/startup_bench.py",
     "--only": "benchmarks/startup_bench.py", "--out": "benchmarks/seed_sweep.py",
     "--prompts": "examples/genrm/measure_judge.py", "--n": "examples/genrm/measure_judge.py",
+    "--models": "benchmarks/lora_bench.py", "--repeats": "benchmarks/lora_bench.py",
+    "--seeds": "benchmarks/seed_sweep.py", "--parallel": "benchmarks/seed_sweep.py",
     "--judge-len": "examples/genrm/measure_judge.py", "--template": "examples/genrm/measure_judge.py",
     "--parser": "examples/genrm/measure_judge.py",
     # pip
