@@ -232,7 +232,8 @@ class Controller:
         if run.metrics is not None:  # metrics.jsonl was rewritten without the steps done again: append to it
             run.metrics.close()
         run.metrics = MetricsWriter.from_config(config)
-        engine_urls = run.engine_urls()
+        # the engines a weight push must reach now (a replaced or added engine too; none that is draining)
+        engine_urls = run.rollout_call("push_targets", "engines for the weight push", None)
         self._resume(load, load, engine_urls)
         # the pool's record of the engines' weights: the checkpoint's, as pushed
         run.rollout_call("weights_pushed", "weight version", None, run.start_step, engine_urls)
