@@ -9,14 +9,11 @@ from typing import Optional
 from relax.backends.megatron.checkpoint_layout import MARKER, latest_iteration
 from relax.config import rules_checkpoint, rules_ddp, rules_lora
 from relax.config.errors import ConfigError
-
-
-def _needs_reference(v: dict) -> bool:
-    return bool(v.get("use_kl_loss")) or bool(v.get("kl_coef"))
+from relax.config.facts import needs_reference
 
 
 def check_reference(v: dict, explicit) -> None:
-    if v.get("ref_update_interval") is not None and not _needs_reference(v):
+    if v.get("ref_update_interval") is not None and not needs_reference(v):
         raise ConfigError("--ref-update-interval has no effect without a reference model; add --use-kl-loss "
                           "or --kl-coef, or drop --ref-update-interval")
     if v.get("use_unbiased_kl") and not v.get("use_kl_loss"):
@@ -24,7 +21,7 @@ def check_reference(v: dict, explicit) -> None:
     if v.get("ref_ckpt_step") is not None and not v.get("ref_load"):
         raise ConfigError("--ref-ckpt-step picks an iteration of --ref-load; add --ref-load or drop --ref-ckpt-step")
     res = v.get("resource") or {}
-    if _needs_reference(v) and res.get("reference") and res.get("actor"):
+    if needs_reference(v) and res.get("reference") and res.get("actor"):
         ref, actor = res["reference"], res["actor"]
         if ref[0] * ref[1] != actor[0] * actor[1]:
             raise ConfigError(f"--resource reference {ref} must have as many workers as actor {actor} (the reference "

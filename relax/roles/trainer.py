@@ -19,7 +19,7 @@ from relax.backends.megatron.hf_weights import unwrap_model
 from relax.backends.megatron.lora import load_adapters
 from relax.backends.megatron.optim import gather_params
 from relax.backends.megatron.trainer import MegatronTrainer
-from relax.config.facts import REFERENCE_IN_RANK
+from relax.config.facts import REFERENCE_IN_RANK, needs_reference
 from relax.data.plane import DataPlane
 from relax.data.sample import ROLLOUT_FIELDS, Sample
 from relax.observability import timeline
@@ -201,7 +201,7 @@ class TrainerWorker(MegatronRank):
             raise RuntimeError(f"step {step}: chunk {chunk} arrived out of order on trainer rank {self.rank}")
         # the chunk's samples alone: this rank's own reader of the partition takes the lowest unread indexes
         # with a KL loss or reward, the chunk's reference log-probs too (written by the reference role before)
-        fields = (*ROLLOUT_FIELDS, "ref_logprobs") if StreamingUpdate.needs_reference(self.config) else None
+        fields = (*ROLLOUT_FIELDS, "ref_logprobs") if needs_reference(self.config) else None
         samples = self.data.get(step, batch_size=len(indexes), fields=fields, task_name=f"stream-rank-{self.rank}",
                                 timeout_s=float(self.config.train_step_timeout or 60))
         if [s.index for s in samples] != list(indexes):

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import torch
 
 from relax.backends.megatron.accumulate import ChunkedStep
+from relax.config.facts import needs_reference
 from relax.data.sample import Sample
 from relax.training.objective import PolicyObjective
 from relax.training.step import (actor_updates_at, advantage_stage, check_rows, dp_share, forward_stage,
@@ -46,19 +47,14 @@ class StreamingUpdate:
         self.on_policy_diff: float | None = None
         self.seconds = 0.0
 
-    @staticmethod
-    def needs_reference(config: Any) -> bool:
-        """Whether each chunk's samples carry reference log-probs (a KL loss, or a KL penalty in the reward)."""
-        return bool(config.use_kl_loss or config.kl_coef)
-
     def add(self, samples: Sequence[Sample], *, last: bool) -> dict[str, float] | None:
-        """`samples`: the chunk's, with `ref_logprobs` when `needs_reference`."""
+        """`samples`: the chunk's, with `ref_logprobs` when the run needs a reference (relax.config.facts)."""
         t0 = time.perf_counter()
         if self.accumulated is not None and self.accumulated.finished:
             raise RuntimeError(f"step {self.step}: a chunk after the step's last one")
         batch, olds = forward_stage(self.trainer, samples, self.config, self.step)
         refs = None
-        if self.needs_reference(self.config):  # aligned with the samples the batch trains
+        if needs_reference(self.config):  # aligned with the samples the batch trains
             by_index = {s.index: s.ref_logprobs for s in samples}
             rows = [by_index[s.index] for s in batch.samples]
             check_rows(batch.samples, rows, "ref_logprobs", self.step)
