@@ -8,7 +8,7 @@ which only builds the controller, and every Megatron rank), paid again at every 
 `torch.compile` is a version that defers the call to torch.compile itself to `fn`'s first call (same function,
 same options; then the compiled function is used from there on). Megatron's jit fuser therefore means what it
 means upstream; only the import is deferred. Relax turns Megatron's fusions off in its model config
-(relax.backends.megatron.arch), so the fused functions are not called at all there. (A trainer rank still imports
+(relax.formats.model_arch), so the fused functions are not called at all there. (A trainer rank still imports
 torch._dynamo when it builds its optimizer: torch.optim's `add_param_group` is wrapped by `torch._disable_dynamo`.)
 
 `install()` arms this for the process's first import of `megatron.core.jit` (relax.importing.patch_import);

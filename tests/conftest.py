@@ -41,7 +41,7 @@ def shared_ray():
     """The session's Ray (started on first use with the workers' environment and the run's engine key)."""
     import ray
 
-    from relax.backends.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
+    from relax.wire.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
     from relax.config.env import worker_env
     from relax.core.worker_setup import WORKER_SETUP_HOOK
 

@@ -48,7 +48,7 @@ def assert_engine_serves(url, model_dir, named, version):
     """The engine at `url` serves the weights `named` at weight version `version`: its log-probs of a sampled reply
     are the HF model's with those weights (within 1e-5)."""
     from relax.backends.embedded.testing import max_abs_diff, reference_logprobs, response_logprobs
-    from relax.backends.engine_client import EngineClient
+    from relax.wire.engine_client import EngineClient
 
     ref = reference_with(model_dir, named)
     client = EngineClient(url, timeout_s=60)

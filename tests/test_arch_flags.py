@@ -4,7 +4,7 @@
 import pytest
 from transformers import AutoConfig, LlamaConfig, Qwen3MoeConfig
 
-from relax.backends.megatron.arch import ARCH_FLAGS, ModelArch, arch_for_run
+from relax.formats.model_arch import ARCH_FLAGS, ModelArch, arch_for_run
 from relax.config import ConfigError, parse_config
 from relax.config.explain import write_resolved_config
 from relax.config.rules_arch import ARCH_FLAG_HELP

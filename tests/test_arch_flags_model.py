@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from relax.backends.megatron.arch import ModelArch, arch_for_run
+from relax.formats.model_arch import ModelArch, arch_for_run
 from relax.backends.megatron.hf_weights import load_hf_checkpoint_dir
 from relax.backends.megatron.testing import build_random_tiny_model, toy_pg_loss, toy_samples
 from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
@@ -52,7 +52,7 @@ def test_llama31_rope_scaling_flags_compute_hfs_rope_scaling(tmp_path):
     # 10000 and 16-dim heads the two lowest frequencies are scaled, so the logits tell scaled from unscaled RoPE.
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from relax.backends.megatron.arch import to_transformer_config
+    from relax.backends.megatron.transformer_config import to_transformer_config
     from relax.backends.megatron.hf_weights import load_hf_weights
     from relax.backends.megatron.model import build_gpt_model
 

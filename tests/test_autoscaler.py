@@ -11,8 +11,8 @@ import ray
 import requests
 import yaml
 
-from relax.backends.auth import auth_headers, engine_api_key
-from relax.backends.engine_client import EngineClient
+from relax.wire.auth import auth_headers, engine_api_key
+from relax.wire.engine_client import EngineClient
 from relax.config import ConfigError, parse_config
 from relax.config.autoscaler import AutoscalerConfig, ScaleInPolicy, ScaleOutPolicy, load_autoscaler_config
 from relax.rollout.autoscaler import Autoscaler, LoadSample, decide

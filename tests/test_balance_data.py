@@ -108,7 +108,7 @@ def _dp_worker(rank, world, path, samples):
     from megatron.core import parallel_state as ps
     from transformers import AutoConfig
 
-    from relax.backends.megatron.arch import ModelArch
+    from relax.formats.model_arch import ModelArch
     from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
     from relax.training.step import dp_share
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from relax.backends.megatron.accumulate import ChunkedStep
-from relax.backends.megatron.arch import ModelArch
+from relax.formats.model_arch import ModelArch
 from relax.backends.megatron.testing import build_random_tiny_model, ensure_single_process, run_ranks, toy_samples
 from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
 from relax.training.objective import PolicyObjective

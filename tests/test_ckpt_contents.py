@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from relax.backends.megatron import checkpoint_layout as layout
+from relax.formats import checkpoint_layout as layout
 from relax.config import parse_config
 from relax.config.errors import ConfigError
 from relax.config.support import unsupported_flags

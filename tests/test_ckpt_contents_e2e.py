@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import run_steps, shared_tiny_model
 
-from relax.backends.megatron import checkpoint_layout as layout
+from relax.formats import checkpoint_layout as layout
 from relax.config import parse_config
 from relax.models.tasks import generate_task_dataset
 

@@ -26,7 +26,7 @@ import ray
 
 from conftest import shared_ray
 
-from relax.backends.engine_client import EngineClient
+from relax.wire.engine_client import EngineClient
 from relax.config import parse_config
 from relax.config.errors import ConfigError
 from relax.core.controller import Controller

@@ -7,7 +7,7 @@ import torch
 
 from conftest import shared_tiny_model
 
-from relax.backends.megatron.arch import ModelArch
+from relax.formats.model_arch import ModelArch
 from relax.backends.megatron.offload import TrainerOffloader, rss_bytes
 from relax.backends.megatron.testing import toy_pg_loss, toy_samples
 from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings

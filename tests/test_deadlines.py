@@ -19,8 +19,8 @@ import psutil
 import pytest
 import ray
 
-from relax.backends.engine_client import EngineClient, EngineRequestError
-from relax.backends.net import ManagedProcess
+from relax.wire.engine_client import EngineClient, EngineRequestError
+from relax.wire.net import ManagedProcess
 from relax.config import parse_config
 from relax.core.calls import run_bounded, stop_processes
 from relax.core.deadlines import Call, Deadlines, RoleFailure, cause_text, console_line

@@ -44,7 +44,7 @@ def test_grpo_two_engines_two_dp_ranks(assets, monkeypatch):
         controller.run()
         after_sum = ray.get(controller.workers[0].weights_checksum.remote())
         assert after_sum != before_sum, "the optimizer did not change the weights"
-        from relax.backends.engine_client import EngineClient
+        from relax.wire.engine_client import EngineClient
 
         for url in controller.engine_urls:
             client = EngineClient(url, timeout_s=60)

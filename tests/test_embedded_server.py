@@ -9,7 +9,7 @@ import requests
 
 from relax.backends.embedded.launcher import EmbeddedServerProcess
 from relax.backends.embedded.testing import max_abs_diff, reference_greedy, reference_logprobs, response_logprobs
-from relax.backends.engine_client import EngineClient, EngineRequestError
+from relax.wire.engine_client import EngineClient, EngineRequestError
 
 T = 30  # seconds, per HTTP call
 
@@ -227,7 +227,7 @@ def test_client_errors_name_url_and_endpoint(server, client):
 
 
 def test_metrics_are_prometheus_text_with_sglangs_names(server):
-    from relax.backends.auth import engine_api_key
+    from relax.wire.auth import engine_api_key
     from relax.observability.metrics_client import scrape_engine_metrics
 
     before = scrape_engine_metrics(server.url, engine_api_key(), timeout_s=T)
@@ -244,6 +244,13 @@ def test_metrics_are_prometheus_text_with_sglangs_names(server):
     assert value(after, "sglang:generation_tokens_total") - value(before, "sglang:generation_tokens_total") == 4
     assert value(after, "sglang:num_requests_total") == value(before, "sglang:num_requests_total") + 1
     assert 0.0 <= value(after, "sglang:token_usage") <= 1.0
+    # /health_generate generates a token but, as in SGLang (log_metrics=False), counts in no counter: the liveness
+    # watch's probes must not show up as the clients' requests
+    assert requests.get(server.url + "/health_generate", timeout=T).status_code == 200
+    probed = scrape_engine_metrics(server.url, engine_api_key(), timeout_s=T)
+    for name in ("sglang:num_requests_total", "sglang:generation_tokens_total", "sglang:prompt_tokens_total"):
+        if name in names:
+            assert value(probed, name) == value(after, name), name
     assert requests.get(server.url + "/metrics", timeout=T).status_code == 401  # the run's key, like control calls
 
 

@@ -14,7 +14,7 @@ import ray
 
 from conftest import assert_ray_released, shared_ray, shared_tiny_model
 
-from relax.backends.engine_client import EngineClient
+from relax.wire.engine_client import EngineClient
 from relax.config import parse_config
 from relax.core.controller import Controller
 from relax.models.tasks import generate_task_dataset

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from conftest import assert_ray_released
 
-from relax.backends.engine_client import EngineClient
+from relax.wire.engine_client import EngineClient
 from relax.roles.engine import EngineActor
 from relax.rollout.engine_pool import ACTIVE, EnginePool, HealthMonitor
 

@@ -12,10 +12,10 @@ import torch
 
 from conftest import shared_ray, shared_tiny_model
 
-from relax.backends.auth import OPEN_ENDPOINTS, auth_headers, authorized, ensure_engine_api_key
+from relax.wire.auth import OPEN_ENDPOINTS, auth_headers, authorized, ensure_engine_api_key
 from relax.backends.embedded.launcher import EmbeddedServerProcess
 from relax.backends.megatron.checkpoint import load_state_file
-from relax.weights.serialize import deserialize_named_tensors, restricted_loads, serialize_named_tensors
+from relax.wire.serialize import deserialize_named_tensors, restricted_loads, serialize_named_tensors
 
 
 def _marker() -> str:
@@ -186,7 +186,7 @@ def test_truncated_checkpoint_names_file_and_iteration(tmp_path):
 def test_router_starts_with_a_key_that_reads_like_an_option(monkeypatch):
     """A key is one `--api-key=KEY` token: a key starting with "-" once made sglang-router's parser exit (1 in
     64 url-safe keys did), failing every engine start of that run. Keys made by Relax are hex."""
-    from relax.backends.auth import ENGINE_API_KEY_ENV
+    from relax.wire.auth import ENGINE_API_KEY_ENV
     from relax.backends.sglang.router import RouterProcess
 
     monkeypatch.delenv(ENGINE_API_KEY_ENV, raising=False)

@@ -21,7 +21,7 @@ import recorded_runs
 from conftest import assert_ray_released, run_steps, shared_tiny_model
 from run_helpers import assert_nothing_left, run_processes, start_run, wait_for_file, write_hooks
 
-from relax.backends.megatron.checkpoint_layout import iter_dir, read_run_state, write_marker
+from relax.formats.checkpoint_layout import iter_dir, read_run_state, write_marker
 from relax.config import parse_config
 from relax.core.deadlines import RoleFailure
 from relax.rollout.sglang_rollout import generate_rollout

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from relax.config import parse_config
 from relax.config.errors import ConfigError
 from relax.data.sample import Sample
-from relax.rollout.genrm.config import DEFAULT_SAMPLING, engine_config, sampling_config
+from relax.config.genrm_options import DEFAULT_SAMPLING, engine_config, sampling_config
 from relax.roles.genrm import genrm_num_engines
 from relax.rollout.rewards import RewardError, RewardRunner
 from relax.rollout.rewards.genrm import (GenRMJudge, GenRMParseError, default_parser, default_template,

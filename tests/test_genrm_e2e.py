@@ -12,8 +12,8 @@ import ray
 
 from conftest import assert_ray_released, shared_ray
 
-from relax.backends.auth import engine_api_key
-from relax.backends.engine_client import EngineClient
+from relax.wire.auth import engine_api_key
+from relax.wire.engine_client import EngineClient
 from relax.config import parse_config
 from relax.core.controller import Controller
 from relax.observability.metrics_client import scrape_engine_metrics

@@ -15,7 +15,7 @@ import psutil
 import pytest
 from conftest import relax_cli
 
-from relax.backends.megatron.checkpoint_layout import MARKER
+from relax.formats.checkpoint_layout import MARKER
 from relax.config import ConfigError, parse_config
 from relax.config.rules_training import heartbeat_error
 from relax.observability import heartbeat
@@ -23,7 +23,7 @@ from relax.core.calls import run_bounded, set_watch
 from relax.core.deadlines import Call, RoleFailure, console_line
 from relax.core.health import HealthManager, process_state, silent_entries, silent_failure
 from relax.observability.heartbeat import BOARD_META
-from relax.core.health_faults import RankFault
+from relax.health_faults import RankFault
 from relax.core.health_restart import (ATTEMPT_META, RestartLedger, attempt_config, resume_point, step_records,
                                        truncate_metrics)
 

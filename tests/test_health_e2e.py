@@ -1,5 +1,5 @@
 """--use-health-check through the controller (the shared Ray, 2 Megatron ranks on CPU, an embedded engine), with
-real faults injected by RELAX_TEST_TRAINER_FAULT (relax.core.health_faults):
+real faults injected by RELAX_TEST_TRAINER_FAULT (relax.health_faults):
 
 * a trainer rank SIGKILLed during step 1's update: the run restarts the Megatron roles alone from the step-1
   checkpoint (the rollout manager, its engine and the data plane stay) and finishes; a `restarted` notification goes out; metrics.jsonl holds each step once, and the sample ids trained at each step of the surviving
@@ -21,7 +21,7 @@ from test_notify import LocalHook
 
 from relax.config import parse_config
 from relax.core.run import run_controller
-from relax.core.health_faults import ENV
+from relax.health_faults import ENV
 from relax.models.tasks import generate_task_dataset
 from relax.observability.train_dump import load_train_data
 

@@ -2,8 +2,7 @@
 
 Each package of relax/ has a layer; a module may import its own package and any package of a lower layer.
 An import of a higher layer is an error naming the file, the line and the two layers, unless it is listed in
-`KNOWN_UPWARD` (the arrows still to be turned, each with what it uses): the list may only shrink, so an entry
-that no longer occurs fails too and must be removed.
+`KNOWN_UPWARD` (empty: every arrow points down; an entry that no longer occurs fails too and must be removed).
 """
 
 from __future__ import annotations
@@ -18,8 +17,12 @@ ROOT = Path(__file__).resolve().parents[1] / "relax"
 # package (or top-level module) of relax/ -> its layer; lower layers never import higher ones
 LAYERS = {
     "importing": 0, "heap": 0, "lazy_jit": 0,  # import-time utilities of the package root
+    "formats": 0,  # model architectures, checkpoint folders, prompt files: pure rules over files
+    "models": 0,  # the embedded default's model and task, built from nothing but transformers
+    "health_faults": 0,  # test-only fault injection, armed by the environment, read by every role that can fail
     "config": 1,  # flags, validation, derived facts: pure rules over values
-    "algorithms": 2, "data": 2, "models": 2, "observability": 2,
+    "algorithms": 2, "data": 2, "observability": 2,
+    "wire": 2,  # the engines' HTTP API client, the run's key, ports, SGLang's tensor payload
     "weights": 3,  # the weight-sync wire formats and paths, shared by the trainer and the engines
     "backends": 4, "training": 4,
     "rollout": 5,
@@ -29,28 +32,7 @@ LAYERS = {
 }
 
 # (importing file, imported module): upward imports not yet turned around
-KNOWN_UPWARD = {
-    # model-architecture and checkpoint-layout rules checked before Ray live beside the backend that builds them
-    ("config/rules_arch.py", "relax.backends.megatron.arch"),
-    ("config/support_training.py", "relax.backends.megatron.arch"),
-    ("config/rules_training.py", "relax.backends.megatron.checkpoint_layout"),
-    ("config/rules_rollout.py", "relax.backends.relax_router.middleware"),
-    ("config/rules_rollout.py", "relax.rollout.genrm.config"),
-    ("config/validate.py", "relax.data.prompt_files"),
-    ("config/validate.py", "relax.data.replay_record"),
-    ("config/rules_arch.py", "relax.models.embedded"),
-    ("config/rules_arch.py", "relax.models.tiny"),
-
-    # the trainer's side of the weight paths reaches the engines through their HTTP client
-    ("weights/distributed.py", "relax.backends.engine_client"),
-    ("weights/sync.py", "relax.backends.engine_client"),
-    ("weights/sync.py", "relax.backends.net"),
-    # the metrics service checks the run's engine key
-    ("observability/metrics_client.py", "relax.backends.auth"),
-    ("observability/metrics_service.py", "relax.backends.auth"),
-    # a test-only fault of the reward server, armed like the trainer ranks' faults
-    ("rollout/rewards/server_health.py", "relax.core.health_faults"),
-}
+KNOWN_UPWARD: set[tuple[str, str]] = set()
 
 
 def _layer_of(path: Path, root: Path) -> str:

@@ -10,7 +10,8 @@ import pytest
 import torch
 from family_checks import check_engine_serves_pushed_weights
 
-from relax.backends.megatron.arch import MEGATRON_LLAMA3_ROPE, ModelArch, to_transformer_config
+from relax.backends.megatron.transformer_config import to_transformer_config
+from relax.formats.model_arch import MEGATRON_LLAMA3_ROPE, ModelArch
 from relax.backends.megatron.hf_weights import load_hf_checkpoint_dir, load_hf_weights
 from relax.backends.megatron.model import build_gpt_model
 from relax.backends.megatron.testing import (

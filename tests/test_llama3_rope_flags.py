@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig, LlamaConfig
 
-from relax.backends.megatron.arch import ModelArch, arch_for_run
+from relax.formats.model_arch import ModelArch, arch_for_run
 from relax.config import ConfigError, parse_config
 from launch_files import flag_run, model_args
 from relax.config.support import no_effect_flags, no_effect_warnings, require_supported, unsupported_flags

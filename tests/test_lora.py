@@ -88,7 +88,7 @@ def test_merged_export_gives_the_trainers_logprobs(model_dir, samples, tmp_path)
 
 def test_adapter_checkpoint_resumes_exactly(model_dir, samples, tmp_path):
     from relax.backends.megatron.checkpoint import load_state_file
-    from relax.backends.megatron.checkpoint_layout import rank_file
+    from relax.formats.checkpoint_layout import rank_file
 
     straight = hf_trainer(model_dir, **BASE, lora=LORA)
     want = [straight.train_step(samples, toy_pg_loss) for _ in range(3)]

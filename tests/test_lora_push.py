@@ -18,7 +18,7 @@ TEMPERATURE = 0.8
 def _engine_rows(url):
     """(prompt + reply tokens, reply length, the engine's log-probs of the reply) for each of PROMPTS."""
     from relax.backends.embedded.testing import response_logprobs
-    from relax.backends.engine_client import EngineClient
+    from relax.wire.engine_client import EngineClient
 
     client = EngineClient(url, timeout_s=60)
     try:

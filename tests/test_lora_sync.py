@@ -20,7 +20,7 @@ SETTINGS = dict(lr=2e-2, micro_batch_size=2, seed=3)
 
 
 def _client(url):
-    from relax.backends.engine_client import EngineClient
+    from relax.wire.engine_client import EngineClient
 
     return EngineClient(url, timeout_s=60)
 
@@ -63,7 +63,7 @@ def test_adapter_push_serves_the_trainers_policy_and_the_base_beside_it(server, 
 
 
 def test_refusals(server, model_dir, tmp_path):
-    from relax.backends.engine_client import EngineRequestError
+    from relax.wire.engine_client import EngineRequestError
 
     trainer = hf_trainer(model_dir, **SETTINGS, lora=LoraSettings(rank=2, alpha=2.0, seed=3))
     push_adapter(trainer, [server.url], tmp_path, 7)

@@ -51,7 +51,8 @@ def test_bridge_mode_is_refused_before_a_run_naming_the_flag_and_the_package(tmp
 def _tiny_megatron(tmp_path, family="qwen2"):
     from transformers import AutoConfig
 
-    from relax.backends.megatron.arch import ModelArch, to_transformer_config
+    from relax.backends.megatron.transformer_config import to_transformer_config
+    from relax.formats.model_arch import ModelArch
     from relax.backends.megatron.model import build_gpt_model
     from relax.backends.megatron.testing import build_random_tiny_model, ensure_single_process
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from relax.backends.megatron.arch import ModelArch
+from relax.formats.model_arch import ModelArch
 from relax.backends.megatron.hf_weights import load_hf_checkpoint_dir
 from relax.backends.megatron.testing import (build_random_tiny_moe_model, ensure_single_process, run_ranks,
                                              toy_pg_loss, toy_samples)

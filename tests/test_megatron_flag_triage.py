@@ -101,7 +101,8 @@ def test_the_new_gpu_switches_reach_megatrons_config_objects(tmp_path, monkeypat
 
     import relax.backends.megatron.layer_options as layer_options
     import relax.backends.megatron.optim as optim
-    from relax.backends.megatron.arch import ModelArch, to_transformer_config
+    from relax.backends.megatron.transformer_config import to_transformer_config
+    from relax.formats.model_arch import ModelArch
     from relax.backends.megatron.trainer import TrainerSettings
     from relax.roles.megatron_settings import trainer_settings
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from relax.backends.megatron.arch import ModelArch, to_transformer_config
+from relax.backends.megatron.transformer_config import to_transformer_config
+from relax.formats.model_arch import ModelArch
 from relax.backends.megatron.hf_weights import (
     export_hf_weights,
     fuse_qkv,

@@ -7,7 +7,7 @@ the TP=1 reference runs in the test process.
 import pytest
 import torch
 
-from relax.backends.megatron.arch import ModelArch
+from relax.formats.model_arch import ModelArch
 from relax.backends.megatron.testing import (
     build_random_tiny_model,
     ensure_single_process,

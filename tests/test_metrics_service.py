@@ -14,7 +14,7 @@ import ray
 import requests
 
 from conftest import assert_ray_released
-from relax.backends.auth import engine_api_key
+from relax.wire.auth import engine_api_key
 from relax.config.support_ops import OPS_FEATURES
 from relax.observability.metrics_client import (
     MetricsReporter,

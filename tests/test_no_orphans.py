@@ -10,7 +10,7 @@ import time
 
 import psutil
 
-from relax.backends.net import find_free_port, with_parent_watchdog
+from relax.wire.net import find_free_port, with_parent_watchdog
 
 pytestmark = pytest.mark.e2e  # a whole run: Ray, trainer, engines (deselect with -m 'not e2e')
 
@@ -35,7 +35,7 @@ SERVER = "import http.server, sys; http.server.HTTPServer(('127.0.0.1', int(sys.
 def _start_chain(port: int) -> subprocess.Popen:
     """driver -> watchdog -> server, as a Ray actor starts the router."""
     launcher = ("import subprocess, sys, time\n"
-                "from relax.backends.net import with_parent_watchdog\n"
+                "from relax.wire.net import with_parent_watchdog\n"
                 f"p = subprocess.Popen(with_parent_watchdog([sys.executable, '-c', {SERVER!r}, '{port}']), start_new_session=True)\n"
                 "print(p.pid, flush=True)\n"
                 "time.sleep(600)\n")

@@ -79,7 +79,7 @@ def test_unreachable_teacher_names_the_url():
 def test_http_teacher_matches_megatron_logprobs(assets, teacher_url):
     from transformers import AutoConfig
 
-    from relax.backends.megatron.arch import ModelArch
+    from relax.formats.model_arch import ModelArch
     from relax.backends.megatron.testing import ensure_single_process
     from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
 

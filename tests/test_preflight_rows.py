@@ -1,6 +1,6 @@
 """Rows checked against the flags before Ray: each row the rollout would refuse at step 0 stops relax-train
 within seconds, exit 2, naming file:line, the flag and the fix (relax/core/preflight.py `row_check`); and the
-rollout's own refusals are the same functions (relax/data/row_checks.py), so both say the same thing."""
+rollout's own refusals are the same functions (relax/formats/row_checks.py), so both say the same thing."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 import pytest
 
 from conftest import relax_cli
-from relax.data.row_checks import (multimodal_problem, prompt_problem, resolve_rm_type, reward_label_problem,
+from relax.formats.row_checks import (multimodal_problem, prompt_problem, resolve_rm_type, reward_label_problem,
                                    rm_type_problem)
 
 GOOD = {"input": "1+1=", "label": "2"}

@@ -52,7 +52,7 @@ RUN_PROCESS_MARKERS = ("ray::TrainerWorker", "ray::ReferenceWorker", "ray::Engin
 
 
 def _free_port() -> int:
-    from relax.backends.net import find_free_port
+    from relax.wire.net import find_free_port
 
     return find_free_port("127.0.0.1")
 

@@ -17,9 +17,10 @@ from transformers import AutoTokenizer
 
 from conftest import relax_cli, shared_tiny_model
 
-from relax.backends.auth import ENGINE_API_KEY_ENV, auth_headers, ensure_engine_api_key
-from relax.backends.net import find_free_port
-from relax.backends.relax_router.middleware import MiddlewareError, ProxyRequest, ProxyResponse, load_middleware_factory
+from relax.wire.auth import ENGINE_API_KEY_ENV, auth_headers, ensure_engine_api_key
+from relax.wire.net import find_free_port
+from relax.backends.relax_router.middleware import ProxyRequest, ProxyResponse
+from relax.config.middleware_paths import MiddlewareError, load_middleware_factory
 from relax.backends.relax_router.process import RelaxRouterProcess
 from relax.backends.relax_router.radix import RadixTree
 from relax.backends.relax_router.radix_middleware import RadixTreeMiddleware, TokenCache, TokenRecord
@@ -156,7 +157,7 @@ def test_routing_spreads_load_keeps_text_prefixes_and_presents_the_key():
                     assert (await post(s, url + "/workers", {"url": e.url}))[0] == 202
                 async with s.get(url + "/workers", headers=auth_headers()) as r:
                     assert sorted(w["url"] for w in (await r.json())["workers"]) == sorted(e.url for e in engines)
-                for i in range(6):  # generation is open, like the engines' (relax.backends.auth)
+                for i in range(6):  # generation is open, like the engines' (relax.wire.auth)
                     status, body = await post(s, url + "/generate", {"input_ids": [i, 1, 2]}, key=False)
                     assert status == 200 and body["output_ids"][1] == 7
                 assert [len(e.requests) for e in engines] == [3, 3]

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from relax.config import ConfigError, parse_config
-from relax.data.replay_record import RECORDED_FLAGS, recorded_run, run_record
+from relax.formats.replay_record import RECORDED_FLAGS, recorded_run, run_record
 from relax.data.sample import Sample
 from relax.rollout.debug_data import load_rollout_data, save_rollout_data
 

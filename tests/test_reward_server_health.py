@@ -1,6 +1,6 @@
 """The reward server's watch (relax.rollout.rewards.server_health), without Ray: the decision logic with a scripted
 probe, then the real stack (probe, RewardRunner, remote_rm) against a reward server process that is SIGSTOPped,
-resumed or SIGKILLed, through the test-only fault injection (relax.core.health_faults, role=reward)."""
+resumed or SIGKILLed, through the test-only fault injection (relax.health_faults, role=reward)."""
 
 import asyncio
 import json
@@ -14,7 +14,7 @@ import pytest
 
 import reward_server_proc
 
-from relax.core.health_faults import ENV, RankFault, listener_pid
+from relax.health_faults import ENV, RankFault, listener_pid
 from relax.rollout.rewards import RewardRunner
 from relax.rollout.rewards.server_health import (MAX_HOLDS, RewardServerLost, RewardServerWatch, health_url, probe,
                                                  watch_from_args)

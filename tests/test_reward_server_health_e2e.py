@@ -1,6 +1,6 @@
 """The reward server's watch in a whole run (the shared Ray, 1 trainer rank, the embedded engine, --rm-type remote_rm
 at a reward server process the test starts, --use-fault-tolerance), with two faults of the test-only injection
-(relax.core.health_faults, role=reward) armed on the rollout manager; one run, as a start-up costs more than
+(relax.health_faults, role=reward) armed on the rollout manager; one run, as a start-up costs more than
 both faults:
 
 * SIGSTOP at step 1's first reward request, SIGCONT 4 s later: found within the probe's interval and timeout,
@@ -25,7 +25,7 @@ from conftest import assert_ray_released, shared_ray, shared_tiny_model
 
 from relax.config import parse_config
 from relax.core.controller import Controller
-from relax.core.health_faults import RankFault
+from relax.health_faults import RankFault
 from relax.core.run import run_controller
 from relax.models.tasks import generate_task_dataset
 from relax.observability.accounting import step_problems

@@ -43,7 +43,7 @@ def engine_servers() -> list[int]:
 
 
 def test_two_steps_against_an_external_engine(assets):
-    from relax.backends.engine_client import EngineClient
+    from relax.wire.engine_client import EngineClient
     from relax.rollout.debug_data import load_rollout_data
 
     base, model, data = assets

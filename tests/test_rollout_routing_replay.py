@@ -134,7 +134,7 @@ def test_routes_round_trip_codec_json_and_merge(tmp_path):
 def trainer(moe_dir):
     from transformers import AutoConfig
 
-    from relax.backends.megatron.arch import ModelArch
+    from relax.formats.model_arch import ModelArch
     from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
 
     ensure_single_process()

@@ -7,7 +7,7 @@ import requests
 
 from relax.backends.embedded.launcher import EmbeddedServerProcess
 from relax.backends.embedded.testing import load_reference_model, perturbed_state_dict, reference_greedy
-from relax.backends.engine_client import EngineClient, update_weights_from_tensor_many
+from relax.wire.engine_client import EngineClient, update_weights_from_tensor_many
 from relax.backends.sglang.router import RouterError, RouterProcess
 
 T = 30

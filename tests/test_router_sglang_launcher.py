@@ -8,7 +8,7 @@ import time
 import pytest
 
 from relax.backends.embedded.launcher import build_embedded_command
-from relax.backends.net import ManagedProcess, find_free_port, wait_http_ok
+from relax.wire.net import ManagedProcess, find_free_port, wait_http_ok
 from relax.backends.sglang.router import build_router_command
 from relax.backends.sglang.server import SGLangServerProcess, build_sglang_command, server_args_to_cli
 

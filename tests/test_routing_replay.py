@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from relax.backends.megatron.arch import ModelArch
+from relax.formats.model_arch import ModelArch
 from relax.backends.megatron.batching import make_micro_batches
 from relax.backends.megatron.routing_replay import (
     ROUTES_KEY,

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax.backends.auth import ensure_engine_api_key
-from relax.backends.engine_client import EngineClient
+from relax.wire.auth import ensure_engine_api_key
+from relax.wire.engine_client import EngineClient
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,7 +14,7 @@ import torch
 from megatron_fixtures import toy_rl_samples, trainer_config
 
 from relax import algorithms as alg
-from relax.backends.megatron.arch import ModelArch
+from relax.formats.model_arch import ModelArch
 from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
 from relax.config.errors import ConfigError
 from relax.config.support import unsupported_flags

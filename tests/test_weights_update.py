@@ -17,11 +17,11 @@ from relax.backends.embedded.testing import (
     reference_logprobs,
     response_logprobs,
 )
-from relax.backends.engine_client import EngineClient, EngineRequestError
-from relax.backends.net import find_free_port
+from relax.wire.engine_client import EngineClient, EngineRequestError
+from relax.wire.net import find_free_port
 from relax.models.tiny import TinyArch, build_tiny_model_dir
 from relax.weights.distributed import WeightUpdateGroup
-from relax.weights.serialize import (
+from relax.wire.serialize import (
     deserialize_named_tensors,
     iter_buckets,
     restricted_loads,

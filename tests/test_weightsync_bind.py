@@ -33,7 +33,7 @@ from relax.backends.embedded.testing import (
     reference_logprobs,
     response_logprobs,
 )
-from relax.backends.engine_client import EngineClient, EngineRequestError
+from relax.wire.engine_client import EngineClient, EngineRequestError
 from relax.backends.megatron.testing import build_random_tiny_moe_model
 from relax.models.tiny import build_byte_tokenizer
 from relax.weights import shm

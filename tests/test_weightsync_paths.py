@@ -11,7 +11,7 @@ import pytest
 from engine_fixtures import assert_engine_serves
 
 from relax.backends.embedded.testing import load_reference_model, perturbed_state_dict
-from relax.backends.engine_client import EngineClient
+from relax.wire.engine_client import EngineClient
 from relax.weights.sync import (
     WeightSyncError,
     close_all,

@@ -16,7 +16,7 @@ import torch
 from engine_fixtures import assert_engine_serves
 
 from relax.backends.embedded.testing import load_reference_model, perturbed_state_dict
-from relax.backends.engine_client import EngineClient
+from relax.wire.engine_client import EngineClient
 from relax.weights import shm
 from relax.weights.sync import TensorSync, WeightSyncError, make_weight_sync
 
@@ -207,7 +207,7 @@ def test_shm_errors_name_the_engine_and_change_nothing(server, model_dir):
     got = torch.tensor(client.get_weights_by_name(n0, truncate_size=t0.numel()), dtype=torch.float64)
     assert torch.equal(got.flatten(), t0.double().flatten())  # one chunk (default budget): nothing changed
     # a manifest naming a foreign file is refused by the engine
-    from relax.backends.engine_client import EngineRequestError
+    from relax.wire.engine_client import EngineRequestError
 
     with pytest.raises(EngineRequestError, match="refusing to map '/etc/passwd'"):
         client._post("/update_weights_from_tensor", {

@@ -76,7 +76,7 @@ class EvalSet:
 
 
 def reader_keys(es: Any) -> dict[str, Any]:
-    """The keys an evaluation set's rows are read with (`relax.data.prompt_files`), for training's reader
+    """The keys an evaluation set's rows are read with (`relax.formats.prompt_files`), for training's reader
     and for the checks before a run alike."""
     return {"input_key": es.input_key or "input", "label_key": es.label_key,
             "metadata_key": es.metadata_key or "metadata", "tool_key": es.tool_key}

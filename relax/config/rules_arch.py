@@ -19,7 +19,7 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
-from relax.backends.megatron.arch import (ARCH_FLAGS, SIZE_FLAGS, ModelArch, glm4_flag_problems, moe_flag_problems,
+from relax.formats.model_arch import (ARCH_FLAGS, SIZE_FLAGS, ModelArch, glm4_flag_problems, moe_flag_problems,
                                           nemotron_flag_problems)
 from relax.config.errors import ConfigError
 from relax.config.presets import embedded_paths

@@ -15,7 +15,7 @@ from relax.config.errors import ConfigError
 
 logger = logging.getLogger("relax")
 
-# Selective recompute modules the models Relax builds have (relax.backends.megatron.arch): no multi-latent
+# Selective recompute modules the models Relax builds have (relax.formats.model_arch): no multi-latent
 # attention (mla_up_proj) and no grouped-GEMM experts (moe_act needs --moe-grouped-gemm); shared_experts only in
 # models with a shared expert (Qwen2-MoE), which the trainer checks once it has read the model.
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "shared_experts")

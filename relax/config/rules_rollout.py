@@ -7,11 +7,11 @@ from __future__ import annotations
 import importlib
 from typing import Any, Optional
 
-from relax.backends.relax_router.middleware import MiddlewareError, load_middleware_factory, middleware_paths
+from relax.config.middleware_paths import MiddlewareError, load_middleware_factory, middleware_paths
 from relax.config.autoscaler import load_autoscaler_config
 from relax.config.errors import ConfigError
 from relax.config.eval_sets import eval_sets
-from relax.rollout.genrm.config import engine_config, sampling_config
+from relax.config.genrm_options import engine_config, sampling_config
 
 MODALITIES = ("image", "video", "audio")
 

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from relax.backends.megatron.checkpoint_layout import MARKER, latest_iteration
+from relax.formats.checkpoint_layout import MARKER, latest_iteration
 from relax.config import rules_checkpoint, rules_ddp, rules_lora
 from relax.config.errors import ConfigError
 from relax.config.facts import needs_reference

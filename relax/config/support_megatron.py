@@ -146,7 +146,7 @@ NO_EFFECT_REASONS: dict[str, str] = {
 }
 
 # Flags that ask for what Relax's trainer always builds: dest -> (the TransformerConfig field that shows it, or
-# None, and that field's value). relax.backends.megatron.arch.to_transformer_config turns Megatron's CUDA fusions
+# None, and that field's value). relax.backends.megatron.transformer_config turns Megatron's CUDA fusions
 # off (they need apex / Transformer Engine kernels and fixed shapes; the same math runs unfused), so the
 # --no-*-fusion switches are honoured as they are; tests/test_megatron_flag_triage.py checks each field.
 ALWAYS_SO: dict[str, tuple[str | None, Any]] = {
@@ -162,7 +162,7 @@ ALWAYS_SO: dict[str, tuple[str | None, Any]] = {
 }
 # Megatron-LM's checkpoint and run-control flags built into Relax's own loop and checkpoints, with Megatron's meaning
 # in Relax's units (one iteration is one rollout step; see relax.config.help_text for each):
-# - relax.core.checkpointing (resume_from, rotate_checkpoints), relax.backends.megatron.checkpoint_layout
+# - relax.core.checkpointing (resume_from, rotate_checkpoints), relax.formats.checkpoint_layout
 #   (select_iteration, iterations_to_delete), checked before Ray by relax.config.rules_checkpoint and
 #   relax.core.preflight: tests/test_ckpt_contents.py (units) and tests/test_ckpt_contents_e2e.py (a run);
 # - relax.core.run_control and the loop of relax.core.controller: the same tests.
@@ -198,7 +198,7 @@ NOT_BUILT: dict[str, tuple[str, frozenset[str]]] = {
         frozenset({"batch_size", "warmup", "model_parallel_size", "checkpoint_activations"})),
     "architecture features no supported model family has": (
         "Relax builds Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, GLM4 and Nemotron shapes "
-        "(relax.backends.megatron.arch); the HF export and the rollout engines need one of them",
+        "(relax.formats.model_arch); the HF export and the rollout engines need one of them",
         frozenset({
             "softmax_type", "apply_residual_connection_post_layernorm",
             "glu_linear_offset", "activation_func_clamp_value",

@@ -6,7 +6,7 @@ SERVING_FEATURES: frozenset[str] = frozenset({
     # relax/roles/rollout.py): tests/test_relax_router.py (routing, threshold, deadline, process) and
     # tests/test_relax_router_e2e.py (a run through it)
     "use_slime_router",
-    # the chain of middlewares (relax/backends/relax_router/middleware.py, loaded before Ray by
+    # the chain of middlewares (relax/config/middleware_paths.py, loaded before Ray by
     # relax/config/rules_rollout.py check_router): tests/test_relax_router.py test_middleware_chain_runs_in_order,
     # test_bad_middleware_paths_fail_naming_the_flag; the radix-tree token cache: test_relax_router_e2e.py
     "slime_router_middleware_paths",

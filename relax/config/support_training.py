@@ -1,7 +1,7 @@
 """Training-side flags whose features are built (see relax.config.support). Add a dest only with its
 code and test."""
 
-from relax.backends.megatron.arch import BUILDABLE_FLAGS, SIZE_FLAGS
+from relax.formats.model_arch import BUILDABLE_FLAGS, SIZE_FLAGS
 from relax.config.megatron_options import CPU_OPTIONS
 from relax.config.support_gpu import GPU_ONLY_FEATURES
 
@@ -82,10 +82,10 @@ TRAINING_SUPPORTED_VALUES: dict[str, frozenset] = {
                                       "on_policy_distillation"}),
     "opd_type": frozenset({"megatron", "sglang"}),  # sglang: tests/test_opd_sglang.py
     "loss_type": frozenset({"custom_loss", "sft"}),
-    # the supported model families (relax.backends.megatron.arch): RMSNorm (LayerNorm in Nemotron) and rotary positions
+    # the supported model families (relax.formats.model_arch): RMSNorm (LayerNorm in Nemotron) and rotary positions
     "normalization": frozenset({"RMSNorm", "LayerNorm"}),
     "position_embedding_type": frozenset({"rope"}),
-    # micro-batches of varying length: only the all-to-all dispatcher (relax.backends.megatron.arch)
+    # micro-batches of varying length: only the all-to-all dispatcher (relax.formats.model_arch)
     "moe_token_dispatcher_type": frozenset({"alltoall"}),
     # megatron-core 0.16's get_megatron_optimizer builds adam and sgd; its Muon needs NVIDIA's emerging_optimizers
     # package (not installable here); lion needs a newer Megatron

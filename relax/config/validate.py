@@ -19,8 +19,8 @@ from relax.config.errors import ConfigError
 from relax.config.hook_paths import current_module, moved_path_warning
 from relax.config.presets import apply_embedded_default
 from relax.config.sglang import owned_flag_error, resolve_backend
-from relax.data.prompt_files import PromptDataError, count_prompt_records
-from relax.data.replay_record import recorded_run
+from relax.formats.prompt_files import PromptDataError, count_prompt_records
+from relax.formats.replay_record import recorded_run
 
 RESOURCE_ROLES = ("actor", "rollout", "critic", "reference", "actor_fwd", "advantages", "genrm", "teacher")
 

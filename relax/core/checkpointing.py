@@ -1,7 +1,7 @@
 """Run checkpoints: which roles save what, and when; rotation; resuming.
 
 A run checkpoint under --save is one iteration folder of the trainer backend's save root
-(`relax.backends.megatron.checkpoint_layout` describes the files and the crash-safe protocol; the backend
+(`relax.formats.checkpoint_layout` describes the files and the crash-safe protocol; the backend
 writes and reads them): the actor's trainer state (model, optimizer, scheduler, RNG), the auxiliary roles
 that are saved (reference, critic) and the rollout position (data source, sample counter).
 
@@ -35,9 +35,9 @@ from typing import Any, Optional
 
 import ray
 
-from relax.backends.megatron import checkpoint_layout as layout
+from relax.formats import checkpoint_layout as layout
 from relax.backends.megatron.checkpoint import finish_hf_folder, load_weights_only, snapshot_rank, write_rank
-from relax.backends.megatron.checkpoint_layout import (MARKER, iter_dir, iterations_to_delete, latest_iteration,
+from relax.formats.checkpoint_layout import (MARKER, iter_dir, iterations_to_delete, latest_iteration,
                                                        select_iteration)
 
 logger = logging.getLogger("relax")

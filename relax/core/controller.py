@@ -19,14 +19,14 @@ import ray
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from relax.backends.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
+from relax.wire.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
 from relax.config.config import Config
 from relax.config.env import threads_per_process, worker_env
 from relax.config.support_gpu import flight_recorder_env
 from relax.core.async_loop import AsyncLoop
 from relax.core.calls import descendants, run_bounded, run_quietly, set_watch, stop_processes, wait_all, wait_quietly
 from relax.core.deadlines import FLAGS, Call
-from relax.backends.megatron.checkpoint_layout import iter_dir
+from relax.formats.checkpoint_layout import iter_dir
 from relax.core.checkpointing import resume_from, save_checkpoint, wait_for_pending_save
 from relax.core.colocate import ColocateProtocol
 from relax.core.health import MEGATRON_ROLES, HealthManager

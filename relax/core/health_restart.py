@@ -30,7 +30,7 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from relax.backends.megatron.checkpoint_layout import latest_iteration
+from relax.formats.checkpoint_layout import latest_iteration
 from relax.config.config import Config
 from relax.core.deadlines import Call, RoleFailure
 from relax.core.health import MEGATRON_ROLES, new_board_name

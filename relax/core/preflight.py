@@ -7,7 +7,7 @@ readers that training uses, so that both agree on what a bad row is) is checked 
 - the model folder (`--hf-checkpoint`): exists, holds a parseable `config.json` and a tokenizer;
 - prompt files (`--prompt-data`, the evaluation sets): are not empty, and their rows parse with the keys
   they are read with — every row when the file is small, the first `SCAN_ROWS` otherwise. Each row is also
-  checked against the flags with the checks the rollout itself runs on it (`relax.data.row_checks`, see
+  checked against the flags with the checks the rollout itself runs on it (`relax.formats.row_checks`, see
   `row_check`): its prompt against --apply-chat-template, its --multimodal-keys values, its reward type
   (--rm-type or metadata.rm_type) and its label against that reward; a mismatch names file:line, the flag
   and the fix (--skip-bad-lines does not skip it: training would fail on it). Rows without a
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from relax.config.errors import ConfigError
-from relax.backends.megatron.checkpoint_layout import (
+from relax.formats.checkpoint_layout import (
     MARKER,
     checkpoint_problem,
     complete_iterations,
@@ -43,10 +43,10 @@ from relax.backends.megatron.checkpoint_layout import (
     select_iteration,
 )
 from relax.config.eval_sets import eval_sets, reader_keys
-from relax.data.prompt_files import PromptDataError, PromptRecord, RowFlagError, scan_prompt_file
-from relax.data.row_checks import (RowProblem, multimodal_problem, prompt_problem, resolve_rm_type,
+from relax.formats.prompt_files import PromptDataError, PromptRecord, RowFlagError, scan_prompt_file
+from relax.formats.row_checks import (RowProblem, multimodal_problem, prompt_problem, resolve_rm_type,
                                    reward_label_problem, rm_type_problem)
-from relax.data.replay_record import first_file
+from relax.formats.replay_record import first_file
 
 logger = logging.getLogger("relax")
 
@@ -100,7 +100,7 @@ def check_model_folder(path: Optional[str]) -> None:
 
 def row_check(config: Any, rm_type: Optional[str],
               custom_rm_path: Optional[str]) -> Callable[[PromptRecord], Optional[RowProblem]]:
-    """The rollout's own checks of a row against the flags (`relax.data.row_checks`): the prompt as
+    """The rollout's own checks of a row against the flags (`relax.formats.row_checks`): the prompt as
     `relax.rollout.prompts` renders it, the --multimodal-keys values as `relax.rollout.multimodal` sends them, and,
     when the default rollout scores with a built-in reward (no custom reward or rollout function), the reward type
     as `relax.rollout.rewards.registry` resolves it and the label as `relax.rollout.rewards.builtin` reads it."""

@@ -8,7 +8,7 @@ from typing import Any
 
 import ray
 
-from relax.backends.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
+from relax.wire.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
 from relax.config.env import worker_env
 from relax.core.worker_setup import WORKER_SETUP_HOOK
 

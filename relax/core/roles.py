@@ -27,7 +27,7 @@ import ray
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from relax.backends.megatron import checkpoint_layout
+from relax.formats import checkpoint_layout
 from relax.config.env import threads_per_process, worker_env
 from relax.core.calls import wait_all
 from relax.core.deadlines import FLAGS, Call

@@ -26,7 +26,7 @@ from relax.config.errors import ConfigError
 from relax.config.explain import write_resolved_config
 from relax.core.calls import descendants
 from relax.core.deadlines import console_line
-from relax.core.health_faults import fault_from_env
+from relax.health_faults import fault_from_env
 from relax.core.health_restart import Restarts
 from relax.core.preflight import preflight
 from relax.core.ray_cluster import start_ray
@@ -127,7 +127,7 @@ def run_controller(config: Config) -> int:
         Controller = controller_import.module().Controller
         controller = Controller(config, earlier_children=earlier_children)
         controller.started_ray = started_ray
-        controller.ctx.fault = fault_from_env()  # tests only: RELAX_TEST_TRAINER_FAULT (relax.core.health_faults)
+        controller.ctx.fault = fault_from_env()  # tests only: RELAX_TEST_TRAINER_FAULT (relax.health_faults)
         restarts = Restarts(config) if config.use_health_check else None
         while True:
             try:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import ray
 
-from relax.backends.engine_client import EngineClient
+from relax.wire.engine_client import EngineClient
 from relax.config.config import Config
 from relax.core.calls import run_bounded, wait_all
 from relax.core.deadlines import FLAGS, Call, Deadlines, RoleFailure
@@ -45,7 +45,7 @@ class RunContext:
         self.reporter = MetricsReporter.from_config(config)  # --use-metrics-service; a no-op otherwise
         self.metrics: Any = None  # the run's MetricsWriter (metrics.jsonl, TensorBoard, ClearML)
         self.health: Any = None  # --use-health-check: the attempt's HealthManager (relax.core.health)
-        self.fault: Any = None  # a test's injected rank fault (relax.core.health_faults)
+        self.fault: Any = None  # a test's injected rank fault (relax.health_faults)
         self.workers: list[Any] = []  # the actor's trainer ranks
         self.worker_where: list[str | None] = []  # "host pid N" of each trainer rank, for error lines
         self.aux: Any = None  # the reference, teacher and critic (relax.core.roles.AuxRoles)
@@ -139,7 +139,7 @@ class RunContext:
                            deadline_s=self.deadlines.train_s, flag=FLAGS["train"])
 
     def fault_point(self, role: str, action: str, step: int | None) -> None:
-        """A test's injected fault (RELAX_TEST_TRAINER_FAULT, relax.core.health_faults) fires at its call."""
+        """A test's injected fault (RELAX_TEST_TRAINER_FAULT, relax.health_faults) fires at its call."""
         fault = self.fault
         if fault is None or not fault.matches(role, action, step, self.attempt):
             return

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from relax.backends.engine_client import EngineClient
+from relax.wire.engine_client import EngineClient
 from relax.core.calls import run_bounded, start_bounded
 from relax.core.checkpointing import save_checkpoint
 from relax.core.deadlines import FLAGS, Call

@@ -29,7 +29,7 @@ from typing import Any, Mapping
 import ray
 import requests
 
-from relax.backends.auth import auth_headers
+from relax.wire.auth import auth_headers
 
 logger = logging.getLogger(__name__)
 

@@ -48,7 +48,7 @@ from urllib.parse import parse_qs, urlparse
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from relax.backends.auth import ENGINE_API_KEY_ENV, engine_api_key
+from relax.wire.auth import ENGINE_API_KEY_ENV, engine_api_key
 from relax.observability.metrics import summarise
 from relax.observability.metrics_client import (
     SERVICE_NAME,

@@ -23,7 +23,7 @@ import torch
 from transformers import AutoConfig
 
 from relax import heap
-from relax.backends.megatron.arch import ModelArch
+from relax.formats.model_arch import ModelArch
 from relax.backends.megatron.trainer import MegatronTrainer
 from relax.data.plane import DataPlane
 from relax.observability import timeline

@@ -10,7 +10,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from relax.backends.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
+from relax.wire.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
 from relax.backends.embedded.launcher import EmbeddedServerProcess
 from relax.backends.sglang.server import SGLangServerProcess
 from relax.config.env import threads_per_process, worker_env
@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 def engine_bind_host() -> str:
     """Where an engine listens: loopback while the whole Ray cluster is this one node (nothing else needs
     to reach it), the node's address only when roles span nodes. Either way its control endpoints need
-    the run's key (relax.backends.auth)."""
+    the run's key (relax.wire.auth)."""
     if not ray.is_initialized():
         return "127.0.0.1"
     alive = [node for node in ray.nodes() if node.get("Alive")]

@@ -28,7 +28,7 @@ from relax.backends.sglang.router import RouterProcess
 from relax.roles.placement import cluster_has_gpus, create_placement_group
 from relax.roles.engine import engine_actor, engine_server_args
 from relax.rollout.engine_pool import EnginePool, HealthMonitor, stop_engines
-from relax.rollout.genrm.config import engine_config
+from relax.config.genrm_options import engine_config
 from relax.rollout.rewards.genrm import GenRMJudge
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from relax.backends.megatron.arch import arch_for_run
+from relax.formats.model_arch import arch_for_run
 from relax.backends.megatron.lora import lora_settings
 from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
 from relax.config.megatron_options import options_from_config

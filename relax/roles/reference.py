@@ -10,7 +10,7 @@ weights from `--opd-teacher-load` (`--opd-teacher-ckpt-step`): an HF folder (its
 differ from the student's but must share its tokenizer) or a Relax checkpoint (the architecture recorded in
 it, else the student's).
 
-The model is the actor's (`relax.backends.megatron.arch.arch_for_run`): the `--hf-checkpoint` config's, or the
+The model is the actor's (`relax.formats.model_arch.arch_for_run`): the `--hf-checkpoint` config's, or the
 one Megatron's architecture flags describe when there is no HF folder.
 """
 
@@ -24,8 +24,8 @@ import torch
 from transformers import AutoConfig
 
 from relax import heap
-from relax.backends.megatron.arch import ModelArch, arch_for_run
-from relax.backends.megatron.checkpoint_layout import read_meta, resolve_model_checkpoint
+from relax.formats.model_arch import ModelArch, arch_for_run
+from relax.formats.checkpoint_layout import read_meta, resolve_model_checkpoint
 from relax.backends.megatron.trainer import MegatronTrainer
 from relax.data.plane import DataPlane
 from relax.observability import timeline

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import torch
 
 from relax import heap
-from relax.backends.megatron.arch import arch_for_run
+from relax.formats.model_arch import arch_for_run
 from relax.backends.megatron.cpu_compat import apply_cpu_compat
 from relax.backends.megatron.hf_weights import unwrap_model
 from relax.backends.megatron.model import weights_checksum

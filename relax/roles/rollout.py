@@ -34,7 +34,7 @@ from relax.config.autoscaler import load_autoscaler_config
 from relax.config.config import Config
 from relax.roles.placement import cluster_has_gpus, create_placement_group, engine_bundle
 from relax.data.plane import DataPlane
-from relax.data.replay_record import run_record
+from relax.formats.replay_record import run_record
 from relax.data.sample import Sample
 from relax.observability.accounting import delivery_accounting
 from relax.observability import timeline

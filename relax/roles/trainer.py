@@ -13,7 +13,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from relax import heap
-from relax.backends.megatron.arch import arch_for_run
+from relax.formats.model_arch import arch_for_run
 from relax.backends.megatron.cpu_compat import native_device_ops
 from relax.backends.megatron.hf_weights import unwrap_model
 from relax.backends.megatron.lora import load_adapters

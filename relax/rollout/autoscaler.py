@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from relax.backends.auth import engine_api_key
+from relax.wire.auth import engine_api_key
 from relax.config.autoscaler import AutoscalerConfig
 from relax.observability.metrics_client import scrape_engine_metrics
 

@@ -12,7 +12,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from relax.backends.auth import auth_headers
+from relax.wire.auth import auth_headers
 from relax.config.validate import load_hook  # noqa: F401  (the hook loader; rollout code imports it from here)
 from relax.data.sample import Sample
 

@@ -40,7 +40,7 @@ Filtering
   ``stats()["filtered_long_prompts"]`` (eager: at load; streaming: when first
   read).
 
-The file reader itself (rows -> records, bad rows, counting) is `relax.data.prompt_files`, shared with
+The file reader itself (rows -> records, bad rows, counting) is `relax.formats.prompt_files`, shared with
 the checks before a run and with config validation; its names are re-exported here.
 """
 
@@ -54,7 +54,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from relax.data.prompt_files import (
+from relax.formats.prompt_files import (
     Cursor,
     PromptDataError,
     PromptReader,

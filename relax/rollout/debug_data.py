@@ -2,7 +2,7 @@
 
 The file (its path may contain `{rollout_id}`) holds a header line
 `{"relax_debug_rollout": 1, "rollout_id": N, "num_samples": M, "run": {...}}` (`run`: what a replay needs,
-`relax.data.replay_record`) and then one `Sample.to_dict()` per
+`relax.formats.replay_record`) and then one `Sample.to_dict()` per
 line. JSON only: loading never unpickles anything, and floats (log-probs, rewards) round-trip exactly.
 A sample whose prompt/label/metadata is not JSON-serializable fails the save, naming the field.
 """
@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from relax.data.replay_record import HEADER_KEY
+from relax.formats.replay_record import HEADER_KEY
 from relax.data.sample import SAMPLE_FIELDS, Sample
 
 FORMAT_VERSION = 1
@@ -28,7 +28,7 @@ def debug_path(template: str, rollout_id: int) -> str:
 
 def save_rollout_data(template: str, rollout_id: int, samples: Sequence[Sample],
                       run: Optional[dict] = None) -> str:
-    """Write one step's samples; `run` (`relax.data.replay_record.run_record`) lets a replay run without flags."""
+    """Write one step's samples; `run` (`relax.formats.replay_record.run_record`) lets a replay run without flags."""
     path = Path(debug_path(template, rollout_id))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")

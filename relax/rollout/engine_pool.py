@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional
 import ray
 import requests
 
-from relax.backends.engine_client import EngineClient
+from relax.wire.engine_client import EngineClient
 
 logger = logging.getLogger(__name__)
 

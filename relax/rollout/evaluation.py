@@ -28,7 +28,7 @@ import aiohttp
 
 # The sets themselves are read and checked with the config; their names stay importable from here.
 from relax.config.eval_sets import EVAL_SET_KEYS, EvalSet, eval_sets, load_eval_config, reader_keys  # noqa: F401
-from relax.data.prompt_files import read_prompt_records
+from relax.formats.prompt_files import read_prompt_records
 from relax.data.sample import STATUS_TRUNCATED, Sample
 from relax.rollout.context import load_hook
 from relax.rollout.multimodal import SAMPLE_KEY as MULTIMODAL

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from relax.backends.engine_client import EngineClient
+from relax.wire.engine_client import EngineClient
 
 logger = logging.getLogger(__name__)
 

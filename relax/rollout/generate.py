@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import aiohttp
 
-from relax.backends.auth import auth_headers
+from relax.wire.auth import auth_headers
 from relax.data.sample import STATUS_ABORTED, STATUS_COMPLETED, STATUS_TRUNCATED, Sample
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ Only engines that take such inputs can serve these runs: the embedded engine is 
 validation stops a run with --multimodal-keys whose --rollout-backend is (or `auto` resolves to) embedded
 (`relax.config.rules_rollout`, where the flag's mapping is checked too). The processor-side flags
 (--image-max-token-num, fps, audio in video...) are not built. A value SGLang cannot take (a number, raw bytes,
-an empty list) is refused by `relax.data.row_checks.multimodal_problem`, here for each request and, for every row
+an empty list) is refused by `relax.formats.row_checks.multimodal_problem`, here for each request and, for every row
 of the prompt files, by the preflight before Ray starts.
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from relax.config.rules_rollout import MODALITIES
-from relax.data.row_checks import multimodal_problem
+from relax.formats.row_checks import multimodal_problem
 
 SAMPLE_KEY = "multimodal_inputs"  # Sample.metadata key
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Optional, Sequence, Union
 
-from relax.data.row_checks import prompt_problem
+from relax.formats.row_checks import prompt_problem
 
 __all__ = ["render_prompt", "encode_prompt", "PromptEncoder"]
 

@@ -9,5 +9,5 @@
   segment written by the trainer in double-buffered chunks, read by the engine through views (two copies).
 - `distributed`: the `/init_weights_update_group` + `/update_weights_from_distributed` protocol
   (a torch.distributed group, gloo on CPU), trainer side and engine side.
-The HTTP calls themselves are in `relax.backends.engine_client.EngineClient`.
+The HTTP calls themselves are in `relax.wire.engine_client.EngineClient`.
 """

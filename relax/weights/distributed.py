@@ -26,7 +26,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from relax.backends.engine_client import EngineClient
+from relax.wire.engine_client import EngineClient
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Shared-memory weight transport on one host: one reusable segment, a JSON manifest over HTTP.
 
-The pickled `/update_weights_from_tensor` payload (`relax.weights.serialize`) costs a staging copy,
+The pickled `/update_weights_from_tensor` payload (`relax.wire.serialize`) costs a staging copy,
 a fresh shared-memory mapping per update on the engine side and intermediate tensors. This path,
 `load_format="relax_shm"` (spoken by the embedded engine, which advertises it in `/server_info`
 `weight_update_formats`), moves weight bytes through memory exactly twice:

@@ -40,8 +40,8 @@ from urllib.parse import urlparse
 import torch
 from safetensors.torch import save_file
 
-from relax.backends.engine_client import EngineClient, EngineRequestError, update_weights_from_tensor_many
-from relax.backends.net import find_free_port
+from relax.wire.engine_client import EngineClient, EngineRequestError, update_weights_from_tensor_many
+from relax.wire.net import find_free_port
 from relax.weights import shm
 from relax.weights.distributed import WeightUpdateGroup
 
@@ -273,7 +273,7 @@ class TensorSync(WeightSync):
             self._send_shm(named, version)
         else:
             try:
-                # all engines at once: each bucket staged in shared memory once (relax.backends.engine_client)
+                # all engines at once: each bucket staged in shared memory once (relax.wire.engine_client)
                 update_weights_from_tensor_many(self.clients, named, version, self.buffer_bytes,
                                                 load_format=self.load_format, pool=self.clients[0].buffer_pool)
             except Exception as exc:

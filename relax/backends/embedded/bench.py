@@ -26,8 +26,8 @@ def main(argv=None) -> None:
     import torch
 
     from relax.backends.embedded.launcher import EmbeddedServerProcess
-    from relax.backends.engine_client import EngineClient
-    from relax.backends.net import find_free_port
+    from relax.wire.engine_client import EngineClient
+    from relax.wire.net import find_free_port
     from relax.weights.distributed import WeightUpdateGroup
 
     torch.set_num_threads(1)

@@ -604,8 +604,7 @@ class EmbeddedEngine:
             self._merge_ok = _cache_layers_mergeable(cache)
             if not self._merge_ok:
                 logger.warning("cache layers are not plain DynamicLayers: continuous batching disabled")
-        for r in group:
-            self.stats["num_prompt_tokens"] += len(r.input_ids)
+        self.stats["num_prompt_tokens"] += sum(len(r.input_ids) for r in group if r.log_metrics)
         if want_prompt_lp:
             prompt_logprobs(group, logits, maxlen, rows=src)
         last_logits = logits[:, -1, :]
@@ -764,7 +763,7 @@ class EmbeddedEngine:
                 if r.top_logprobs_num > 0 and res.top_ids is not None:
                     k = r.top_logprobs_num
                     r.output_top.append(list(zip(res.top_logprobs[i, :k].tolist(), res.top_ids[i, :k].tolist())))
-            self.stats["num_generated_tokens"] += 1
+            self.stats["num_generated_tokens"] += r.log_metrics
             reason = self._check_finish(r, tok)
             if reason is not None:
                 self._finish(r, reason)
@@ -780,7 +779,7 @@ class EmbeddedEngine:
         if r.future.done():
             return
         r.finish_reason = reason
-        self.stats["num_requests_finished"] += 1
+        self.stats["num_requests_finished"] += r.log_metrics
         with self._lock:
             self._known_rids.discard(r.rid)
         try:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from relax.backends.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
-from relax.backends.net import ManagedProcess, find_free_port, python_executable, url_host, wait_http_ok
+from relax.wire.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
+from relax.wire.net import ManagedProcess, find_free_port, python_executable, url_host, wait_http_ok
 
 
 def build_embedded_command(
@@ -55,7 +55,7 @@ class EmbeddedServerProcess(ManagedProcess):
         self.port = int(port) if port else find_free_port(host)
         self.server_args = dict(server_args or {})
         env = dict(env or {})
-        # The control endpoints' key travels in the environment, not on the command line (see relax.backends.auth).
+        # The control endpoints' key travels in the environment, not on the command line (see relax.wire.auth).
         env.setdefault(ENGINE_API_KEY_ENV, ensure_engine_api_key())
         env.setdefault("OMP_NUM_THREADS", str(self.server_args.get("num_threads", 1)))
         env.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -52,6 +52,7 @@ class GenRequest:
     logprob_start_len: int = -1
     return_routed_experts: bool = False  # R3: meta_info["routed_experts"] (see routing.py)
     lora_name: str | None = None  # the loaded adapter it names (SGLang's lora_path; lora.py), None: the base
+    log_metrics: bool = True  # False for /health_generate's probe, which SGLang leaves out of its counters too
     # --- state, owned by the scheduler thread ---
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)

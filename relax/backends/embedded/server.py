@@ -34,7 +34,7 @@ Endpoints (request / response schemas follow SGLang's `http_server.py` and `io_s
   POST /resume_memory_occupation `{"tags"}` (CPU semantics in `engine.py`).
 - Weights: POST /update_weights_from_tensor `{"serialized_named_tensors": [str, ...],
   "load_format": null | "flattened_bucket" | "relax_shm" | "relax_shm_bind", "flush_cache",
-  "weight_version"}` (see `relax.weights.serialize`; "relax_shm" entries are JSON manifests of the
+  "weight_version"}` (see `relax.wire.serialize`; "relax_shm" entries are JSON manifests of the
   sender's shared-memory segment, `relax.weights.shm`; "relax_shm_bind" is one such manifest of whole
   tensors that the parameters become views of, the one-copy sync, `shared_weights`; entries are per
   tensor-parallel rank in SGLang: identical entries are applied once, different entries are all
@@ -65,7 +65,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from relax import heap
-from relax.backends.auth import OPEN_ENDPOINTS, authorized, engine_api_key
+from relax.wire.auth import OPEN_ENDPOINTS, authorized, engine_api_key
 from relax.backends.embedded import shared_weights
 from relax.backends.embedded.engine import EmbeddedEngine, EngineError
 from relax.backends.embedded.lora import add_lora_routes
@@ -281,6 +281,7 @@ def create_app(engine: EmbeddedEngine, api_key: str | None = None):
             return Response(status_code=200)  # busy or paused: the scheduler is alive and stepping
         params = SamplingParams.from_dict({"max_new_tokens": 1, "temperature": 0.0})
         req = engine.make_request([0], params, rid=f"HEALTH_CHECK_{time.time()}")
+        req.log_metrics = False  # as SGLang's probe: the request counters show the clients' requests only
         try:
             await asyncio.wait_for(asyncio.wrap_future(engine.submit(req)), timeout=20)
         except (asyncio.TimeoutError, EngineError):
@@ -440,7 +441,7 @@ def create_app(engine: EmbeddedEngine, api_key: str | None = None):
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request):
-        from relax.weights.serialize import deserialize_named_tensors
+        from relax.wire.serialize import deserialize_named_tensors
 
         t0 = time.perf_counter()
         body = await _json(request)

@@ -25,8 +25,8 @@ import importlib
 
 _EXPORTS = {
     "apply_cpu_compat": "cpu_compat",
-    "ModelArch": "arch",
-    "to_transformer_config": "arch",
+    "ModelArch": "relax.formats.model_arch",
+    "to_transformer_config": "transformer_config",
     "init_distributed": "parallel",
     "init_model_parallel": "parallel",
     "destroy": "parallel",
@@ -45,6 +45,7 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str):
     if name in _EXPORTS:
-        module = importlib.import_module(f"{__name__}.{_EXPORTS[name]}")
+        where = _EXPORTS[name]
+        module = importlib.import_module(where if "." in where else f"{__name__}.{where}")
         return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

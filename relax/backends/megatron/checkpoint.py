@@ -1,6 +1,6 @@
 """Save and restore a Megatron trainer's state: model, optimizer, scheduler and RNG, atomically.
 
-File names, folders and the save-root protocol are in `relax.backends.megatron.checkpoint_layout`; this
+File names, folders and the save-root protocol are in `relax.formats.checkpoint_layout`; this
 module writes and reads the files themselves (all ranks must see the same filesystem). Resuming needs
 the same parallel layout (tp, pp, ep, dp, world size).
 
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from relax.backends.megatron.checkpoint_layout import (
+from relax.formats.checkpoint_layout import (
     FORMAT,
     SCHEDULER_FILE,
     is_relax_checkpoint,

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from relax.backends.megatron.arch import ModelArch
+from relax.formats.model_arch import ModelArch
 from relax.backends.megatron.lora import merged_weight
 
 __all__ = [

@@ -252,7 +252,7 @@ def load_adapters(trainer: Any, path: str) -> None:
     import torch.distributed as dist
 
     from relax.backends.megatron.checkpoint import load_state_file, read_meta
-    from relax.backends.megatron.checkpoint_layout import rank_file, resolve_model_checkpoint
+    from relax.formats.checkpoint_layout import rank_file, resolve_model_checkpoint
     from relax.backends.megatron.hf_weights import unwrap_model
 
     gpt = unwrap_model(trainer.model)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from relax.backends.megatron.arch import ModelArch
+from relax.formats.model_arch import ModelArch
 from relax.backends.megatron.hf_weights import _layer_hf_names, fuse_qkv, split_qkv
 from relax.backends.megatron.lora import adapter_tensors
 

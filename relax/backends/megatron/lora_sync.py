@@ -43,7 +43,7 @@ def push_adapter(trainer: Any, engine_urls: Sequence[str], folder: str | Path, v
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from relax.backends.engine_client import EngineClient
+    from relax.wire.engine_client import EngineClient
     from relax.backends.megatron.lora_peft import ADAPTER_FILE, peft_snapshot, write_config
 
     t0 = time.perf_counter()

@@ -177,7 +177,7 @@ def call_provider(provider: Callable, *, config: Any, arch: Any, pre_process: bo
                   vp_stage: Optional[int]) -> Any:
     """Call a --custom-model-provider-path function as Megatron-LM calls a model provider
     (`pre_process`, `post_process`, `vp_stage`), adding `config` (the trainer's TransformerConfig) and `arch`
-    (relax.backends.megatron.arch.ModelArch) when it takes them: Relax has no Megatron-LM global arguments to read."""
+    (relax.formats.model_arch.ModelArch) when it takes them: Relax has no Megatron-LM global arguments to read."""
     params = inspect.signature(provider).parameters
     takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     kwargs = {"pre_process": pre_process, "post_process": post_process}

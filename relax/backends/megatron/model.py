@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from relax.backends.megatron.arch import ModelArch
+from relax.formats.model_arch import ModelArch
 from relax.backends.megatron.context_parallel import with_cp_attention
 from relax.backends.megatron.cpu_compat import apply_cpu_compat, compute_device
 from relax.backends.megatron.layernorm1p import zero_centered_block_spec

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from relax.backends.megatron.arch import ModelArch
+from relax.formats.model_arch import ModelArch
 
 __all__ = ["apply_llama3_rope_parameters", "llama3_inv_freq"]
 

@@ -189,7 +189,7 @@ def hf_arch(path: str | Path):
     """The `ModelArch` of an HF model folder."""
     from transformers import AutoConfig
 
-    from relax.backends.megatron.arch import ModelArch
+    from relax.formats.model_arch import ModelArch
 
     return ModelArch.from_hf_config(AutoConfig.from_pretrained(str(path)))
 

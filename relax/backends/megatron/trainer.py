@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from relax.backends.megatron.arch import ModelArch, to_transformer_config
+from relax.backends.megatron.transformer_config import to_transformer_config
+from relax.formats.model_arch import ModelArch
 from relax.backends.megatron.batching import MicroBatch, add_late_fields, make_micro_batches
 from relax.backends.megatron.checkpoint import (
     load_checkpoint,

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any, Sequence
 
-from relax.backends.net import ManagedProcess, find_free_port, wait_http_ok
+from relax.wire.net import ManagedProcess, find_free_port, wait_http_ok
 from relax.backends.relax_router.middleware import middleware_paths
 from relax.backends.sglang.router import RouterError, RouterProcess
 

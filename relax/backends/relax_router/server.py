@@ -23,7 +23,7 @@ Failures: a worker whose health check (`GET /health` every `--health-interval` s
 listed under `evicted` in `GET /workers`; one success resets its count. A request that could not
 connect is tried on another engine. Every engine request has a deadline (`--request-timeout`).
 
-Security: every endpoint but generation and read-only status needs the run's key (relax.backends.auth),
+Security: every endpoint but generation and read-only status needs the run's key (relax.wire.auth),
 as sglang-router with `--api-key` does; the router presents the same key to the engines. The router
 exits when its parent process dies (`--parent-pid`) and on SIGTERM.
 """
@@ -45,7 +45,7 @@ from typing import Any, Optional
 import aiohttp
 from aiohttp import web
 
-from relax.backends.auth import OPEN_ENDPOINTS, auth_headers, authorized, engine_api_key
+from relax.wire.auth import OPEN_ENDPOINTS, auth_headers, authorized, engine_api_key
 from relax.backends.relax_router.middleware import ProxyRequest, ProxyResponse, build_chain, compose
 from relax.backends.relax_router.radix import RadixTree
 

@@ -19,8 +19,8 @@ from typing import Any, Mapping, Sequence
 
 import requests
 
-from relax.backends.auth import auth_headers, ensure_engine_api_key
-from relax.backends.net import ManagedProcess, find_free_port, url_host, wait_http_ok, with_parent_watchdog
+from relax.wire.auth import auth_headers, ensure_engine_api_key
+from relax.wire.net import ManagedProcess, find_free_port, url_host, wait_http_ok, with_parent_watchdog
 
 
 class RouterError(RuntimeError):
@@ -59,7 +59,7 @@ def build_router_command(
            "--policy", policy]
     if "--api-key" not in extra:
         # With a key the router requires it from its clients (generation and worker membership alike) and
-        # presents it to the workers, whose control endpoints need it (relax.backends.auth).
+        # presents it to the workers, whose control endpoints need it (relax.wire.auth).
         cmd += [f"--api-key={ensure_engine_api_key()}"]  # one token: safe whatever the key's first character
     if worker_urls:
         cmd += ["--worker-urls", *worker_urls]

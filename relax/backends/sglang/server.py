@@ -25,8 +25,8 @@ import os
 import sys
 from typing import Any, Mapping
 
-from relax.backends.auth import ensure_engine_api_key
-from relax.backends.net import ManagedProcess, find_free_port, url_host, wait_http_ok, with_parent_watchdog
+from relax.wire.auth import ensure_engine_api_key
+from relax.wire.net import ManagedProcess, find_free_port, url_host, wait_http_ok, with_parent_watchdog
 
 _RESERVED = {"model_path", "host", "port", "tp_size", "tp", "api_key"}
 

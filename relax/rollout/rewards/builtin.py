@@ -2,7 +2,7 @@
 
 Labels may be a single value or a list/tuple of acceptable values (any match
 counts) for every function here. The functions that compare with the label refuse one they cannot read (a dict,
-say) with a TypeError: `relax.data.row_checks.label_problem`, which the preflight runs on every row.
+say) with a TypeError: `relax.formats.row_checks.label_problem`, which the preflight runs on every row.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import string
 from collections import Counter
 from typing import Any, Optional
 
-from relax.data.row_checks import label_problem
+from relax.formats.row_checks import label_problem
 from relax.rollout.rewards.math_grader import (
     extract_boxed,
     extract_math_answer,

@@ -40,7 +40,7 @@ from typing import Any, Callable, Optional
 import aiohttp
 
 from relax.rollout.generate import engine_reply, generate_payload, post_generate
-from relax.rollout.genrm.config import request_sampling, sampling_config
+from relax.config.genrm_options import request_sampling, sampling_config
 from relax.rollout.prompts import render_prompt
 from relax.rollout.rewards.custom import import_by_path
 from relax.rollout.rewards.math_grader import extract_boxed

@@ -1,5 +1,5 @@
 """Reward registry: ``get_reward_fn(rm_type)`` and per-sample ``rm_type`` resolution (``resolve_rm_type``, defined
-with the other row checks in `relax.data.row_checks`: the preflight runs it on every row).
+with the other row checks in `relax.formats.row_checks`: the preflight runs it on every row).
 
 A reward function is ``fn(response: str, label, metadata: dict) -> float | dict``;
 it may be a coroutine function, or an object with an ``acall`` coroutine method
@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Optional
 
-from relax.data.row_checks import BOXED_PREFIX, resolve_rm_type
+from relax.formats.row_checks import BOXED_PREFIX, resolve_rm_type
 from relax.rollout.rewards import builtin
 from relax.rollout.rewards.math_grader import extract_boxed
 from relax.rollout.rewards.remote import RemoteRewardModel

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional
 from urllib.parse import urlsplit
 
-from relax.core.health_faults import RankFault, fault_from_env, listener_pid
+from relax.health_faults import RankFault, fault_from_env, listener_pid
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class RewardServerWatch:
         self.outage: Optional[Outage] = None  # the current one; None while the server answers
         self.outages = 0
         self.events: list[dict[str, Any]] = []
-        # test-only (relax.core.health_faults, role=reward): several may be armed, each fires at its step once
+        # test-only (relax.health_faults, role=reward): several may be armed, each fires at its step once
         self.faults: list[RankFault] = []
         self.attempt = 0
         self._loops: "weakref.WeakKeyDictionary[Any, _LoopSignal]" = weakref.WeakKeyDictionary()

@@ -222,12 +222,12 @@ def with_parent_watchdog(cmd: Sequence[str], parent_pid: int | None = None) -> l
     process that started them is killed without running `stop()`, they do not linger.
     """
     ppid = os.getpid() if parent_pid is None else int(parent_pid)
-    return [sys.executable, "-m", "relax.backends.net", "--watch-parent", str(ppid), "--", *map(str, cmd)]
+    return [sys.executable, "-m", "relax.wire.net", "--watch-parent", str(ppid), "--", *map(str, cmd)]
 
 
 def _watchdog_main(argv: Sequence[str]) -> int:
     if len(argv) < 4 or argv[0] != "--watch-parent" or argv[2] != "--":
-        print("usage: python -m relax.backends.net --watch-parent PID -- CMD...", file=sys.stderr)
+        print("usage: python -m relax.wire.net --watch-parent PID -- CMD...", file=sys.stderr)
         return 2
     ppid, cmd = int(argv[1]), list(argv[3:])
     # The kernel ends the child if this watchdog itself is killed (SIGKILL leaves it no time to act).

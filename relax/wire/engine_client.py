@@ -6,7 +6,7 @@ the engine URL and the endpoint (and, for a request that got no answer in time, 
 the deadline when the client was given one, `deadline_flag`).
 
 Weight pushes build on this client in `relax.weights` (which imports it, never the other way round,
-except for the payload format of `relax.weights.serialize`); the distributed group is
+except for the payload format of `relax.wire.serialize`); the distributed group is
 `relax.weights.distributed.WeightUpdateGroup`.
 """
 
@@ -20,8 +20,8 @@ from typing import Any, Iterable, Sequence
 import requests
 import torch
 
-from relax.backends.auth import auth_headers
-from relax.weights.serialize import SharedBufferPool, iter_buckets, payload_entries, serialize_named_tensors
+from relax.wire.auth import auth_headers
+from relax.wire.serialize import SharedBufferPool, iter_buckets, payload_entries, serialize_named_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class EngineRequestError(RuntimeError):
 
 
 class EngineClient:
-    """`api_key`: what control calls present (`relax.backends.auth`); default the run's key from the
+    """`api_key`: what control calls present (`relax.wire.auth`); default the run's key from the
     environment. `deadline_flag`: the flag `timeout_s` came from, named when a request gets no answer."""
 
     def __init__(self, base_url: str, timeout_s: float = 600.0, *, session: requests.Session | None = None,

@@ -258,7 +258,7 @@ _ALLOWED_GLOBALS = frozenset(
 _METADATA_CLASSES = {
     ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"),
     ("sglang.srt.model_executor.model_runner", "FlattenedTensorMetadata"),
-    ("relax.weights.serialize", "FlatMeta"),
+    ("relax.wire.serialize", "FlatMeta"),
 }
 
 

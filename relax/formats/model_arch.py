@@ -3,11 +3,11 @@
 `ModelArch` is a frozen, hashable description of a decoder-only transformer
 (Llama, Qwen2, Qwen3 dense, Qwen3-MoE, Qwen2-MoE, GLM4 dense and Nemotron). It is built from an HF config
 (`from_hf_config`) or from Megatron's architecture flags (`from_flags`), and
-`to_flags` states it back as those flags. `to_transformer_config` turns it plus
+`to_flags` states it back as those flags. `relax.backends.megatron.transformer_config` turns it plus
 the parallel layout and precision into a Megatron `TransformerConfig`.
 
-torch and megatron-core are imported inside `to_transformer_config` only: the
-checks before a run (relax.config.rules_arch) read this module and must stay fast.
+Pure rules, no torch or megatron-core: the checks before a run (relax.config.rules_arch) read this module and
+must stay fast.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 __all__ = ["ARCH_FLAGS", "BUILDABLE_FLAGS", "MEGATRON_LLAMA3_ROPE", "SIZE_FLAGS", "ModelArch", "arch_for_run",
-           "to_transformer_config", "pad_vocab_size", "glm4_flag_problems", "moe_flag_problems",
+           "pad_vocab_size", "glm4_flag_problems", "moe_flag_problems",
            "nemotron_flag_problems"]
 
 _SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "glm4", "nemotron")
@@ -586,112 +586,3 @@ def arch_for_run(config: Any) -> ModelArch:
             raise ValueError(f"--padded-vocab-size {padded} is smaller than the vocabulary ({arch.hf_vocab_size})")
         arch = dataclasses.replace(arch, vocab_size=padded)
     return arch
-
-
-def to_transformer_config(
-    arch: ModelArch,
-    *,
-    tp: int = 1,
-    pp: int = 1,
-    cp: int = 1,
-    ep: int = 1,
-    etp: Optional[int] = None,
-    params_dtype: Any = None,  # a torch.dtype; float32 when None
-    bf16: bool = False,
-    fp16: bool = False,
-    sequence_parallel: bool = False,
-    perform_initialization: bool = True,
-    use_cpu_initialization: bool = True,
-    init_method_std: float = 0.02,
-    recompute_granularity: Optional[str] = None,
-    deterministic_mode: bool = False,
-    **overrides: Any,
-):
-    """A Megatron `TransformerConfig` for `arch` under the given parallel layout.
-
-    Dropout is off unless `overrides` set `hidden_dropout` / `attention_dropout` (RL post-training trains
-    without it); fusions that need CUDA kernels are off; `overrides` are passed to `TransformerConfig` last
-    (recompute, dropout and attention backend come that way: relax.backends.megatron.layer_options);
-    `params_dtype` is float32 unless given (or set by `bf16`/`fp16`). With
-    `use_cpu_initialization` the random init is computed unsplit on the CPU, so
-    it is identical for every TP size (slow for large models on GPU).
-    """
-    import torch
-    from megatron.core.activations import squared_relu
-    from megatron.core.transformer import TransformerConfig
-
-    if params_dtype is None:
-        params_dtype = torch.float32
-    if bf16 and fp16:
-        raise ValueError("bf16 and fp16 are exclusive")
-    if arch.vocab_size % tp:
-        raise ValueError(
-            f"padded vocab_size {arch.vocab_size} is not divisible by tp={tp}; "
-            "use arch.with_vocab_multiple(tp)"
-        )
-    if bf16:
-        params_dtype = torch.bfloat16
-    elif fp16:
-        params_dtype = torch.float16
-    kwargs: dict[str, Any] = dict(
-        num_layers=arch.num_layers,
-        hidden_size=arch.hidden_size,
-        ffn_hidden_size=arch.ffn_hidden_size,
-        num_attention_heads=arch.num_attention_heads,
-        num_query_groups=arch.num_query_groups,
-        kv_channels=arch.kv_channels,
-        normalization=arch.normalization,
-        layernorm_epsilon=arch.norm_epsilon,
-        gated_linear_unit=arch.swiglu,
-        activation_func=squared_relu if arch.squared_relu else torch.nn.functional.silu,
-        layernorm_zero_centered_gamma=arch.layernorm_zero_centered_gamma,
-        add_bias_linear=arch.add_bias_linear,
-        add_qkv_bias=arch.add_qkv_bias,
-        qk_layernorm=arch.qk_layernorm,
-        rotary_interleaved=arch.rotary_interleaved,  # the fraction rotated is GPTModel's rotary_percent
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        attention_softmax_in_fp32=True,
-        apply_query_key_layer_scaling=False,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        context_parallel_size=cp,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp,
-        sequence_parallel=sequence_parallel and tp > 1,
-        params_dtype=params_dtype,
-        pipeline_dtype=params_dtype,
-        bf16=bf16,
-        fp16=fp16,
-        use_cpu_initialization=use_cpu_initialization,
-        perform_initialization=perform_initialization,
-        init_method_std=init_method_std,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        cross_entropy_loss_fusion=False,
-        variable_seq_lengths=pp > 1,  # micro-batches are padded to their own longest sample
-        moe_token_dispatcher_type="alltoall",  # the only one allowing variable lengths
-        deterministic_mode=deterministic_mode,
-        recompute_granularity=recompute_granularity,
-    )
-    if recompute_granularity == "full":  # every layer, one at a time, unless `overrides` say otherwise
-        kwargs.update(recompute_method="uniform", recompute_num_layers=1)
-    if arch.is_moe:
-        kwargs.update(
-            num_moe_experts=arch.num_experts,
-            moe_router_topk=arch.moe_router_topk,
-            moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
-            moe_router_pre_softmax=not arch.moe_norm_topk_prob,
-            moe_router_load_balancing_type="none",
-            moe_aux_loss_coeff=0.0,
-            moe_grouped_gemm=False,
-            # Qwen2-MoE: megatron-core's SharedExpertMLP computes HF's sigmoid(x @ gate^T) * shared_mlp(x)
-            moe_shared_expert_intermediate_size=arch.moe_shared_expert_intermediate_size,
-            moe_shared_expert_gate=arch.moe_shared_expert_gate,
-        )
-    kwargs.update(overrides)
-    return TransformerConfig(**kwargs)

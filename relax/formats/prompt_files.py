@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Union
 
-from relax.data.row_checks import messages_problem
+from relax.formats.row_checks import messages_problem
 
 __all__ = [
     "PromptRecord",
@@ -36,7 +36,7 @@ class PromptDataError(ValueError):
 
 
 class RowFlagError(PromptDataError):
-    """A row that parses but disagrees with the flags (`relax.data.row_checks`): --skip-bad-lines does not skip it
+    """A row that parses but disagrees with the flags (`relax.formats.row_checks`): --skip-bad-lines does not skip it
     (training would not), the flag must change or the row."""
 
 
