@@ -134,7 +134,7 @@ class Burst:
     """Client threads posting /generate to the router as fast as they are answered, until `stop`."""
 
     def __init__(self, url: str, clients: int, max_new_tokens: int):
-        from relax.backends.auth import auth_headers
+        from relax.wire.auth import auth_headers
 
         self.url, self.headers = url + "/generate", auth_headers()
         self.body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": max_new_tokens,
@@ -219,7 +219,7 @@ def event(pool, kind: str, **match) -> dict | None:
 
 
 def one_round(n: int, args, pool, scaler, router, poller) -> dict:
-    from relax.backends.engine_client import EngineClient
+    from relax.wire.engine_client import EngineClient
 
     first = pool.urls()[0]
     out_before = sum(1 for a, _ in scaler.began if a == "scale_out")
@@ -302,7 +302,7 @@ def main() -> int:
     p.add_argument("--workdir", default=None, help="output dir (default: a temporary folder)")
     args = p.parse_args()
 
-    from relax.backends.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
+    from relax.wire.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
     from relax.backends.sglang.router import RouterProcess
     from relax.config import parse_config
     from relax.config.autoscaler import load_autoscaler_config

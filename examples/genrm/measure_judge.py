@@ -34,7 +34,7 @@ sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]  # relax, and j
 
 from relax.backends.embedded.launcher import EmbeddedServerProcess  # noqa: E402
 from relax.rollout.generate import engine_reply, generate_payload, post_generate  # noqa: E402
-from relax.rollout.genrm.config import DEFAULT_SAMPLING  # noqa: E402
+from relax.config.genrm_options import DEFAULT_SAMPLING  # noqa: E402
 from relax.rollout.rewards.genrm import (GenRMJudge, GenRMParseError, default_parser,  # noqa: E402
                                          default_template, load_genrm_hook)
 from relax.models.tasks import number_match_reward, render_prompt, task_rows  # noqa: E402

@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 
 from examples.multiturn.tool_generate import run_tool, tool_turn
-from relax.backends.auth import auth_headers
+from relax.wire.auth import auth_headers
 from relax.data.sample import STATUS_ABORTED, STATUS_COMPLETED, STATUS_TRUNCATED, Sample
 from relax.rollout.generate import post_generate
 from relax.rollout.prompts import PromptEncoder
