@@ -162,13 +162,7 @@ def test_cpu_shims_import_in_a_plain_interpreter():
 # ---------------------------------------------------------------------------------------------
 # Real SGLang on CPU
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from relax.models.tiny import TinyArch, build_tiny_model_dir
-
-    return str(build_tiny_model_dir(tmp_path_factory.mktemp("sglang_cpu") / "model", TinyArch(family="qwen2"),
-                                    seed=0))
-
+# model_dir: the session's tiny model (conftest), which these tests only read
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
