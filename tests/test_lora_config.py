@@ -33,9 +33,22 @@ def test_lora_off_by_default_and_on_with_merge_sync():
         "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # all-linear
 
 
+def test_adapter_only_sync_is_taken_on_the_embedded_engine():
+    from relax.config.rules_lora import adapter_sync
+
+    config = _config("--lora-rank", "8", "--rollout-backend", "embedded")
+    require_supported(config)
+    assert adapter_sync(config) and not adapter_sync(_config("--lora-rank", "8", "--lora-merge-sync"))
+    assert not adapter_sync(_config())
+
+
 @pytest.mark.parametrize("args, message", [
-    (["--lora-rank", "8"], "not supported yet: adapter-only sync (--lora-rank without --lora-merge-sync); add "
-                           "--lora-merge-sync"),
+    (["--lora-rank", "8", "--rollout-backend", "sglang"], "not supported yet: adapter-only sync (--lora-rank "
+     "without --lora-merge-sync) with real SGLang engines"),
+    (["--lora-rank", "8", "--lora-load", "."], "adapter-only sync (--lora-rank without --lora-merge-sync) with "
+                                               "--lora-load"),
+    (["--lora-rank", "8", "--use-fault-tolerance"], "with --use-fault-tolerance / --autoscaler-config"),
+    (["--lora-rank", "8", "--colocate"], "with --colocate"),
     (["--lora-rank", "-2", "--lora-merge-sync"], "--lora-rank -2: must be >= 0"),
     (["--lora-alpha", "8"], "--lora-alpha set without --lora-rank"),
     (["--lora-merge-sync"], "--lora-merge-sync set without --lora-rank"),

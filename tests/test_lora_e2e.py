@@ -2,6 +2,7 @@
 ranks train adapters only and every push sends merged weights to the engine (docs/lora.md)."""
 
 import math
+from pathlib import Path
 
 import pytest
 import ray
@@ -45,3 +46,78 @@ def test_embedded_default_trains_lora_adapters(tmp_path):
     assert len(records) == 2
     for record in records:
         assert math.isfinite(record["train/loss"]) and math.isfinite(record["train/grad_norm"]), record
+
+
+TEMPERATURE = 1.0
+PROMPTS = [[3, 9, 17, 25, 33, 41], [5, 6, 7, 8]]
+
+
+def no_correction(pg_loss, train_logprobs, rollout_logprobs, mask):
+    """--custom-tis-function-path that changes nothing (--get-mismatch-metrics asks for one)."""
+    return pg_loss, mask, {}
+
+
+def _engine_and_trainer_logprobs(controller):
+    """The first engine's log-probs of a fixed batch (requests naming the trainer's adapter, SGLang's lora_path) and
+    the trainer's of the same tokens, plus the engine's weight version."""
+    from relax.backends.embedded.testing import response_logprobs
+    from relax.config.rules_lora import ADAPTER_NAME
+    from relax.wire.engine_client import EngineClient
+
+    url = ray.get(controller.ctx.rollout.get_engine_urls.remote())[0]
+    client = EngineClient(url, timeout_s=60)
+    try:
+        out = client.generate(PROMPTS, {"temperature": TEMPERATURE, "max_new_tokens": 6, "ignore_eos": True},
+                              return_logprob=True, lora_path=ADAPTER_NAME)
+        base = client.generate(PROMPTS, {"temperature": TEMPERATURE, "max_new_tokens": 6, "ignore_eos": True},
+                               return_logprob=True)
+        version = client.get_weight_version()
+    finally:
+        client.close()
+    tokens = [p + r["output_ids"] for p, r in zip(PROMPTS, out)]
+    lengths = [len(r["output_ids"]) for r in out]
+    trainer = ray.get([w.compute_logprobs.remote(tokens, lengths, TEMPERATURE) for w in controller.workers])[0]
+    return [response_logprobs(r) for r in out], trainer, version, [response_logprobs(r) for r in base]
+
+
+def test_adapter_only_sync_serves_the_trainers_policy(tmp_path):
+    """--lora-rank without --lora-merge-sync: each push moves the adapter alone (relax.backends.megatron.lora_sync),
+    the rollout's requests name it, and after the last push the engine's log-probs equal the trainer's."""
+    from safetensors import safe_open
+
+    config = parse_config(["--output-dir", str(tmp_path / "out"), "--num-rollout", "2", "--lora-rank", "8",
+                           "--get-mismatch-metrics", "--custom-tis-function-path", "test_lora_e2e.no_correction",
+                           "--check-weight-update-equal"])
+    require_supported(config)
+    build_embedded_assets(config.hf_checkpoint, config.prompt_data, seed=config.seed % 1000)
+    seen = {}
+
+    def after_start(controller):
+        run = controller.run
+
+        def run_then_compare():  # before the controller shuts the engines down
+            run()
+            seen["logprobs"] = _engine_and_trainer_logprobs(controller)
+
+        controller.run = run_then_compare
+
+    records = run_steps(config, after_start)
+    assert len(records) == 2
+    engine, trainer, version, base = seen["logprobs"]
+    assert version == "2"  # the second push's
+    assert max(abs(a - b) for got, want in zip(engine, trainer) for a, b in zip(got, want)) <= 1e-5
+    # the adapter's change reached the engine: the same engine's base differs from the trained policy
+    assert max(abs(a - b) for got, want in zip(engine, base) for a, b in zip(got, want)) > 1e-4
+    # step 1 was generated after the first push: the rollout's requests named the adapter, so the engine's
+    # log-probs are the trainer's (step 0's were the base's, which is the adapter at B = 0)
+    for record in records:
+        assert record["train/mismatch_logprob_abs_diff_mean"] <= 1e-5, record
+        assert abs(record["train/mismatch_ratio_max"] - 1) <= 1e-4 >= abs(record["train/mismatch_ratio_min"] - 1)
+    # each push moved the adapter only: the PEFT file's bytes, every tensor rank 8 on one side
+    pushed = Path(config.output_dir) / "lora_push" / "v2" / "adapter_model.safetensors"
+    with safe_open(str(pushed), "pt") as f:
+        shapes = [f.get_slice(k).get_shape() for k in f.keys()]
+    assert shapes and all(s[0] == 8 or s[1] == 8 for s in shapes)
+    assert all(r["perf/weight_sync_bytes"] == pushed.stat().st_size for r in records)
+    model_bytes = sum(p.stat().st_size for p in Path(config.hf_checkpoint).glob("*.safetensors"))
+    assert pushed.stat().st_size < 0.2 * model_bytes

@@ -2,8 +2,8 @@
 (values, explicit) -> None raising ConfigError that names the flags and the fix.
 
 What is built (relax/backends/megatron/lora.py, docs/lora.md): adapters on the dense column- and row-parallel
-linears of Megatron-core's local layer spec, trained with a frozen base, synced to the engines as merged weights
-(--lora-merge-sync). Everything else a --lora-* combination would need is refused here, not silently ignored.
+linears of Megatron-core's local layer spec, trained with a frozen base, synced to the engines as the adapter alone (the embedded
+engine, relax.backends.megatron.lora_sync) or as merged weights (--lora-merge-sync). Everything else a --lora-* combination would need is refused here, not silently ignored.
 """
 
 from __future__ import annotations
@@ -24,6 +24,14 @@ LORA_INITS = ("kaiming", "gaussian")
 LORA_DEFAULTS = {"lora_alpha": 16.0, "lora_dropout": 0.0, "lora_target_modules": [ALL_LINEAR], "lora_init": "kaiming",
                  "lora_load": None, "lora_merge_sync": False}
 LORA_FLAGS = tuple(LORA_DEFAULTS)
+# the name the trainer loads its adapter under on the engines and the rollout's requests name (SGLang's lora_path)
+ADAPTER_NAME = "policy"
+
+
+def adapter_sync(config) -> bool:
+    """Whether each weight push moves only the LoRA adapter (--lora-rank without --lora-merge-sync)."""
+    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    return bool(get("lora_rank", 0)) and not get("lora_merge_sync", False)
 
 
 def lora_targets(v: dict) -> tuple[str, ...]:
@@ -62,11 +70,8 @@ def check_combinations(v: dict, explicit) -> None:
     """Combinations LoRA cannot serve yet, refused with what to do instead."""
     if not v.get("lora_rank"):
         return
-    # The engines' side and the push of adapter-only sync exist (relax.backends.embedded.lora,
-    # relax.backends.megatron.lora_sync), but the rollout's requests do not name the adapter yet: a run cannot use it.
-    if not v["lora_merge_sync"]:
-        raise ConfigError("not supported yet: adapter-only sync (--lora-rank without --lora-merge-sync); add "
-                          "--lora-merge-sync (the engines then receive merged weights)")
+    if adapter_sync(v):
+        _check_adapter_sync(v)
     if v["only_train_params_name_list"] or v["freeze_params_name_list"]:
         raise ConfigError("--lora-rank trains the adapters only (the base is frozen): drop "
                           "--only-train-params-name-list / --freeze-params-name-list")
@@ -84,6 +89,34 @@ def check_combinations(v: dict, explicit) -> None:
     if impl != "local" and backend != "local" and _driver_has_gpu():
         raise ConfigError("not supported yet: --lora-rank with Transformer Engine layers (a GPU with "
                           "transformer_engine); add --transformer-impl local")
+
+
+def _check_adapter_sync(v: dict) -> None:
+    """Adapter-only sync (relax.backends.megatron.lora_sync) where it can work: the embedded engine, with the engines
+    taking the adapter at every push. Each refusal names --lora-merge-sync, which works in every case below."""
+    backend = v.get("rollout_backend")
+    if backend == "auto":
+        from relax.config.sglang import resolve_backend
+
+        backend = resolve_backend(backend)
+    why = None
+    if backend == "sglang":
+        why = "real SGLang engines (--rollout-backend sglang) are not launched with LoRA yet"
+    elif v.get("lora_load"):
+        why = "--lora-load: the engines would serve the base until the first push"
+    elif v.get("pretrained_checkpoint") or v.get("finetune") or v.get("start_rollout_id") is not None:
+        why = ("--pretrained-checkpoint / --finetune / --start-rollout-id: the engines would keep --hf-checkpoint's "
+               "base, or serve the base at a version above 0")
+    elif v.get("use_fault_tolerance") or v.get("autoscaler_config"):
+        why = ("--use-fault-tolerance / --autoscaler-config: a replacement engine is given the kept full weights, "
+               "not the adapter")
+    elif (v.get("pipeline_model_parallel_size") or 1) > 1:
+        why = "--pipeline-model-parallel-size > 1: the adapter is sent as one PEFT file"
+    elif v.get("colocate"):
+        why = "--colocate: not tested with an adapter on the engines"
+    if why:
+        raise ConfigError(f"not supported yet: adapter-only sync (--lora-rank without --lora-merge-sync) with {why}; "
+                          "add --lora-merge-sync (the engines then receive merged weights)")
 
 
 def _driver_has_gpu() -> bool:

@@ -32,6 +32,7 @@ from relax.backends.relax_router.process import router_from_config
 from relax.backends.sglang.router import RouterProcess
 from relax.config.autoscaler import load_autoscaler_config
 from relax.config.config import Config
+from relax.config.rules_lora import ADAPTER_NAME, adapter_sync
 from relax.roles.placement import cluster_has_gpus, create_placement_group, engine_bundle
 from relax.data.plane import DataPlane
 from relax.formats.replay_record import run_record
@@ -270,6 +271,10 @@ class RolloutManager:
 
     def weights_pushed(self, version: Any, urls: list[str]) -> None:
         self.pool.set_weight_version(version, urls)
+        if adapter_sync(self.config) and str(version) != "0":
+            # LoRA adapter-only sync: a push of version > 0 loaded the trainer's adapter on the engines (before it
+            # they serve the base, which equals the adapter's B = 0 start); requests name it from now on
+            generation.set_request_adapter(ADAPTER_NAME)
 
     def weight_version(self) -> str | None:
         return self.pool.weight_version if self.pool is not None else None

@@ -17,9 +17,11 @@ from relax.formats.model_arch import arch_for_run
 from relax.backends.megatron.cpu_compat import native_device_ops
 from relax.backends.megatron.hf_weights import unwrap_model
 from relax.backends.megatron.lora import load_adapters
+from relax.backends.megatron.lora_sync import push_for_config as push_adapter_for_config
 from relax.backends.megatron.optim import gather_params
 from relax.backends.megatron.trainer import MegatronTrainer
 from relax.config.facts import REFERENCE_IN_RANK, needs_reference
+from relax.config.rules_lora import adapter_sync
 from relax.data.plane import DataPlane
 from relax.data.sample import ROLLOUT_FIELDS, Sample
 from relax.observability import timeline
@@ -352,9 +354,11 @@ class TrainerWorker(MegatronRank):
         """Every rank takes part in gathering; rank 0 sends the HF-named tensors to every engine (each request
         within --weight-update-timeout; past it a `WeightSyncError` names the engine)."""
         t0 = time.perf_counter()
-        named = list(self.trainer.export_hf_weights())
         if self.config.keep_old_actor:  # the policy the engines roll out with until the next push
             self.trainer.keep_weights("old_actor")
+        if adapter_sync(self.config):  # LoRA: only the adapter moves (relax.backends.megatron.lora_sync)
+            return push_adapter_for_config(self.trainer, engine_urls, version, self.config)
+        named = list(self.trainer.export_hf_weights())
         named = self._gather_pipeline_stages(named)
         if self.rank != 0:
             return {}

@@ -152,10 +152,24 @@ class EngineReply:
         return {"length": STATUS_TRUNCATED, "abort": STATUS_ABORTED}.get(self.finish or "", STATUS_COMPLETED)
 
 
+# LoRA adapter-only sync (relax.backends.megatron.lora_sync): the adapter the policy's requests name, as SGLang's
+# `lora_path`, once the trainer has loaded it on the engines (the rollout role sets it after such a push); None: the
+# engines serve the policy as their weights
+_REQUEST_ADAPTER: str | None = None
+
+
+def set_request_adapter(name: str | None) -> None:
+    global _REQUEST_ADAPTER
+    _REQUEST_ADAPTER = name
+
+
 def generate_payload(input_ids: Sequence[int], sampling: dict, *, rid: str | None = None,
-                     extra: dict | None = None) -> dict[str, Any]:
-    """The JSON body of one SGLang /generate request (token ids in, log-probs back)."""
+                     extra: dict | None = None, policy: bool = False) -> dict[str, Any]:
+    """The JSON body of one SGLang /generate request (token ids in, log-probs back). `policy`: a request of the
+    policy being trained, which names its LoRA adapter when one is loaded (`set_request_adapter`)."""
     payload: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling, "return_logprob": True}
+    if policy and _REQUEST_ADAPTER is not None:
+        payload["lora_path"] = _REQUEST_ADAPTER
     if rid is not None:
         payload["rid"] = rid
     if extra:
@@ -241,7 +255,7 @@ async def call_engine(session: aiohttp.ClientSession, url: str, input_ids: Seque
                       unavailable_budget_s: float = UNAVAILABLE_BUDGET_S) -> EngineReply:
     """One prompt's /generate call (see `post_generate` for retries and waiting out HTTP 503).
     `extra`: more request fields (e.g. `image_data` of a multimodal sample)."""
-    payload = generate_payload(input_ids, sampling, rid=rid, extra=extra)
+    payload = generate_payload(input_ids, sampling, rid=rid, extra=extra, policy=True)
     body = await post_generate(session, url, payload, timeout_s=timeout_s, retries=retries, what=what,
                                unavailable_budget_s=unavailable_budget_s)
     return engine_reply(body)
@@ -405,10 +419,11 @@ async def _post_batch(entries: list, session: aiohttp.ClientSession, url: str, p
     seeds = [seed for _, seed, _ in entries]
     if len(entries) == 1:
         payload = generate_payload(firsts[0].prompt_tokens, dict(params, **({} if seeds[0] is None else
-                                                                            {"sampling_seed": seeds[0]})), rid=rid)
+                                                                            {"sampling_seed": seeds[0]})), rid=rid,
+                                   policy=True)
         rids = [[f"{rid}_{j}" for j in range(n)]]
     else:
-        payload = generate_payload([f.prompt_tokens for f in firsts], dict(params), rid=rid)
+        payload = generate_payload([f.prompt_tokens for f in firsts], dict(params), rid=rid, policy=True)
         if seeds[0] is not None:
             payload["custom_labels"] = {SEEDS_LABEL: ",".join(str(x) for x in seeds)}
         rids = [[f"{rid}_{i}_{j}" for j in range(n)] for i in range(len(entries))]

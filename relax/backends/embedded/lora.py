@@ -4,7 +4,7 @@
   adapter_model.safetensors, as Relax's --save-hf writes it with LoRA) and makes it the active adapter;
   `POST /unload_lora_adapter {"lora_name"}` drops it. Answers `{"success", "error_message", "loaded_adapters"}`
   (SGLang's LoadLoRAAdapterReqOutput); the load's answer adds `checksum` (sum of |x| over the adapter's tensors, in
-  float64) so that a sender can verify what the engine holds.
+  float64) and `module_checksums` (the same per adapted module) so that a sender can verify what the engine holds.
 - `/generate` requests name it as SGLang's do: `"lora_path": name` (or one entry per prompt, None for the base).
 
 One adapter at a time: loading a second name is refused until the first is unloaded (SGLang serves several; the
@@ -86,7 +86,7 @@ class LoraServing:
                               "unload it first (/unload_lora_adapter)")
         config, modules = read_peft(path)
         scale = float(config["lora_alpha"]) / float(config["r"])
-        hooks, checksum = [], 0.0
+        hooks, checksum, sums = [], 0.0, {}
         for module_name, (a, b) in sorted(modules.items()):
             try:
                 linear = self.model.get_submodule(module_name)
@@ -98,12 +98,13 @@ class LoraServing:
                     h.remove()
                 raise EngineError(f"lora_path {path}: {module_name} is not a linear layer of this model with an "
                                   f"adapter of shape A {tuple(a.shape)}, B {tuple(b.shape)}")
-            checksum += float(a.double().abs().sum() + b.double().abs().sum())
+            sums[module_name] = float(a.double().abs().sum() + b.double().abs().sum())
+            checksum += sums[module_name]
             w = linear.weight
             hooks.append(linear.register_forward_hook(self._hook(a.to(w.device, w.dtype), b.to(w.device, w.dtype),
                                                                  scale)))
         self._hooks, self.name, self.path = hooks, name, str(path)
-        return {"checksum": checksum, "modules": len(hooks), "rank": int(config["r"])}
+        return {"checksum": checksum, "module_checksums": sums, "modules": len(hooks), "rank": int(config["r"])}
 
     def unload(self, name: str) -> None:
         if name is None or name != self.name:

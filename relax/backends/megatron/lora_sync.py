@@ -7,20 +7,23 @@ the engines read, then on each engine unloads the previous adapter of that name,
 with the checksum of what it loaded; a push whose checksum differs from the sender's raises, naming the engine.
 The bytes moved are the adapter's, about 2 x r x (in + out) per adapted linear: proportional to the rank.
 
-Built and tested at the engine level (tests/test_lora_sync.py); a run does not use it yet: the rollout's requests
-do not name the adapter, so `--lora-rank` without `--lora-merge-sync` is refused before Ray
-(relax.config.rules_lora).
+In a run (`--lora-rank` without `--lora-merge-sync`), the trainer role's push calls `push_for_config` instead of
+the full-weight push, under the same pause of generation and weight-version handshake (relax.core.step_tail);
+once a version above 0 is pushed the rollout's requests name the adapter (`lora_path`, relax.rollout.generate).
+Every push checks the engine's checksum of what it loaded and the weight version it serves; with
+--check-weight-update-equal each adapted module's checksum is compared as well.
 """
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-__all__ = ["push_adapter", "adapter_checksum"]
+__all__ = ["push_adapter", "push_for_config", "adapter_checksum", "module_checksums"]
 
 
 def adapter_checksum(named: Sequence[tuple[str, torch.Tensor]]) -> float:
@@ -35,11 +38,33 @@ def adapter_checksum(named: Sequence[tuple[str, torch.Tensor]]) -> float:
     return total
 
 
+def module_checksums(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, float]:
+    """HF module name (PEFT's prefix removed, as the engine names it) -> sum of |A| + |B| in float64."""
+    sums: dict[str, float] = {}
+    for name, tensor in named:
+        module = name.rsplit(".lora_", 1)[0].removeprefix("base_model.model.")
+        sums[module] = sums.get(module, 0.0) + float(tensor.double().abs().sum())
+    return sums
+
+
+def push_for_config(trainer: Any, engine_urls: Sequence[str], version: int, config: Any) -> dict[str, Any]:
+    """`push_adapter` with the run's settings: the adapter folder under --output-dir (only the last version is
+    kept), --weight-update-timeout and --check-weight-update-equal."""
+    from relax.config.rules_lora import ADAPTER_NAME
+
+    folder = Path(getattr(config, "output_dir", None) or ".") / "lora_push"
+    return push_adapter(trainer, engine_urls, folder, version, name=ADAPTER_NAME,
+                        timeout_s=float(getattr(config, "weight_update_timeout", None) or 300.0),
+                        check_equal=bool(getattr(config, "check_weight_update_equal", False)))
+
+
 def push_adapter(trainer: Any, engine_urls: Sequence[str], folder: str | Path, version: int, *,
-                 name: str = "policy", timeout_s: float = 300.0) -> dict[str, Any]:
+                 name: str = "policy", timeout_s: float = 300.0, check_equal: bool = False) -> dict[str, Any]:
     """Push `trainer`'s adapter to every engine as adapter `name` at weight version `version`. Collective over the
-    trainer's ranks (the adapter is gathered over TP); rank 0 writes and sends. Returns {"bytes", "seconds",
-    "checksum"} on rank 0, {} elsewhere."""
+    trainer's ranks (the adapter is gathered over TP); rank 0 writes and sends. Returns the weight push's report
+    ({"bytes" (summed over engines, as a full push counts them), "seconds", "bytes_per_s", "engines", "method",
+    "checksum"}) on rank 0, {} elsewhere. `check_equal`: each adapted module's checksum on the engine is
+    compared with the sender's, not only their total."""
     import torch.distributed as dist
     from safetensors.torch import save_file
 
@@ -50,11 +75,14 @@ def push_adapter(trainer: Any, engine_urls: Sequence[str], folder: str | Path, v
     named, config = peft_snapshot(trainer)
     if dist.get_rank() != 0:
         return {}
+    if not engine_urls:
+        return {"seconds": 0.0, "bytes": 0, "engines": 0, "bytes_per_s": 0.0, "method": "lora_adapter"}
     out = Path(folder) / f"v{version}"
     out.mkdir(parents=True, exist_ok=True)
     save_file({n: t.contiguous() for n, t in named}, str(out / ADAPTER_FILE), metadata={"format": "pt"})
     write_config(out, config)
     checksum = adapter_checksum(named)
+    sums = module_checksums(named) if check_equal else {}
     for url in engine_urls:
         client = EngineClient(url, timeout_s=timeout_s)
         try:
@@ -65,7 +93,21 @@ def push_adapter(trainer: Any, engine_urls: Sequence[str], folder: str | Path, v
                 raise RuntimeError(f"engine {url}: /load_lora_adapter failed: {res.get('error_message')}")
             if abs(float(res["checksum"]) - checksum) > 1e-9 * max(1.0, checksum):
                 raise RuntimeError(f"engine {url}: loaded adapter checksum {res['checksum']} != sent {checksum}")
+            got = res.get("module_checksums") or {}
+            bad = [m for m, want in sums.items() if m not in got or abs(float(got[m]) - want) > 1e-9 * max(1.0, want)]
+            if bad or (sums and set(got) != set(sums)):
+                raise RuntimeError(f"engine {url}: adapter modules differ from the trainer's after the push of "
+                                   f"version {version} (--check-weight-update-equal): {sorted(bad)[:8] or sorted(got)}")
             client.set_weight_version(str(version))
+            served = client.get_weight_version()
+            if str(served) != str(version):
+                raise RuntimeError(f"engine {url} serves weight version {served!r} after the adapter push of {version}")
         finally:
             client.close()
-    return {"bytes": (out / ADAPTER_FILE).stat().st_size, "seconds": time.perf_counter() - t0, "checksum": checksum}
+    for old in Path(folder).glob("v*"):  # the engines hold the adapter in memory: earlier folders are not read again
+        if old != out and old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+    seconds = time.perf_counter() - t0
+    total = (out / ADAPTER_FILE).stat().st_size * len(engine_urls)
+    return {"bytes": total, "seconds": seconds, "bytes_per_s": total / seconds if seconds > 0 else 0.0,
+            "engines": len(engine_urls), "method": "lora_adapter", "checksum": checksum}
