@@ -1,5 +1,5 @@
-"""The embedded default with LoRA (--lora-rank 8 --lora-merge-sync), two steps through the controller: the actor's
-ranks train adapters only and every push sends merged weights to the engine (docs/lora.md)."""
+"""The embedded default with LoRA, through the controller (docs/lora.md): merged-weight sync (--lora-merge-sync),
+adapter-only sync, and adapter-only sync in fully-async mode."""
 
 import math
 from pathlib import Path
@@ -121,3 +121,34 @@ def test_adapter_only_sync_serves_the_trainers_policy(tmp_path):
     assert all(r["perf/weight_sync_bytes"] == pushed.stat().st_size for r in records)
     model_bytes = sum(p.stat().st_size for p in Path(config.hf_checkpoint).glob("*.safetensors"))
     assert pushed.stat().st_size < 0.2 * model_bytes
+
+
+def test_fully_async_with_adapter_only_sync(tmp_path):
+    """--fully-async with LoRA adapter-only sync: the rollout of a step runs beside the training of the one before,
+    each push (generation paused in place) moves the adapter alone, and at the end the engine serves the trainer's
+    policy."""
+    config = parse_config(["--output-dir", str(tmp_path / "out"), "--num-rollout", "3", "--lora-rank", "8",
+                           "--fully-async", "--max-staleness", "1", "--check-weight-update-equal"])
+    require_supported(config)
+    build_embedded_assets(config.hf_checkpoint, config.prompt_data, seed=config.seed % 1000)
+    seen = {}
+
+    def after_start(controller):
+        run = controller.run
+
+        def run_then_compare():
+            run()
+            seen["logprobs"] = _engine_and_trainer_logprobs(controller)
+
+        controller.run = run_then_compare
+
+    records = run_steps(config, after_start)
+    assert len(records) == 3
+    pushed = Path(config.output_dir) / "lora_push" / "v3" / "adapter_model.safetensors"
+    for record in records:
+        assert math.isfinite(record["train/loss"]) and record["async/staleness_max"] <= 1, record
+        assert record["perf/weight_sync_bytes"] == pushed.stat().st_size, record
+    engine, trainer, version, base = seen["logprobs"]
+    assert version == "3"
+    assert max(abs(a - b) for got, want in zip(engine, trainer) for a, b in zip(got, want)) <= 1e-5
+    assert max(abs(a - b) for got, want in zip(engine, base) for a, b in zip(got, want)) > 1e-4
