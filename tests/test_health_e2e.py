@@ -2,8 +2,11 @@
 real faults injected by RELAX_TEST_TRAINER_FAULT (relax.health_faults):
 
 * a trainer rank SIGKILLed during step 1's update: the run restarts the Megatron roles alone from the step-1
-  checkpoint (the rollout manager, its engine and the data plane stay) and finishes; a `restarted` notification goes out; metrics.jsonl holds each step once, and the sample ids trained at each step of the surviving
-  history (--save-debug-train-data) are each step's own, each exactly once;
+  checkpoint (the rollout manager, its engine and the data plane stay) and finishes; a `restarted` notification
+  goes out; metrics.jsonl holds each step once, and the sample ids trained at each step of the surviving
+  history (--save-debug-train-data) are each step's own, each exactly once; the steps after the restart give
+  the rollouts, losses, grad norms and rewards, and the final checkpoint (weights, optimizer, RNG, data position),
+  of a fresh run resumed (--load) from the same checkpoint;
 * a trainer rank SIGSTOPped (hung) at step 0 with --max-global-restart 0: found by its missing heartbeats within
   --heartbeat-timeout, and the run exits with code 1 and one line naming the rank, the step, the hang and how
   often it failed;
@@ -13,8 +16,10 @@ real faults injected by RELAX_TEST_TRAINER_FAULT (relax.health_faults):
 
 import json
 import logging
+import shutil
 
 import pytest
+import torch
 
 from conftest import assert_ray_released, shared_ray, shared_tiny_model
 from test_notify import LocalHook
@@ -29,11 +34,11 @@ pytestmark = pytest.mark.e2e  # whole runs: Ray, trainer ranks, engines (deselec
 BATCH, N = 2, 2  # prompts per step, samples per prompt
 
 
-def _config(tmp_path, steps, *extra, ranks=2):
+def _config(tmp_path, steps, *extra, ranks=2, name="out"):
     """`ranks` trainer ranks: 2 where a rank of a group fails, 1 where the fault is elsewhere or the rank count
-    does not matter (one process fewer to start)."""
+    does not matter (one process fewer to start). `name`: the run's output folder under tmp_path."""
     data = str(generate_task_dataset(tmp_path / "train.jsonl", 20, seed=0, task="add_mod10"))
-    out = tmp_path / "out"
+    out = tmp_path / name
     return parse_config([
         "--hf-checkpoint", str(shared_tiny_model()), "--prompt-data", data, "--apply-chat-template",
         "--input-key", "input", "--label-key", "label", "--rm-type", "random", "--rollout-batch-size", str(BATCH),
@@ -52,6 +57,64 @@ def _figures(caplog) -> None:
             print(text)
 
 
+def _metrics(out) -> dict:
+    return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+
+def _rollout(path) -> list:
+    rows = [json.loads(line) for line in path.read_text().splitlines()[1:]]
+    return [(r["prompt_tokens"], r["response_tokens"], r["reward"]) for r in rows]
+
+
+def _assert_same(a, b, where: str) -> None:
+    """Bit for bit, through dicts, lists and tensors (a checkpoint's model, optimizer and RNG states)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}/{i}")
+    else:
+        assert a == b, (where, a, b)
+
+
+def _same_checkpoint(a, b, ranks: int = 2) -> None:
+    """The final checkpoints of two runs hold the same weights, optimizer, RNG and data position."""
+    for rank in range(ranks):
+        name = f"actor/rank{rank:05d}.pt"
+        _assert_same(torch.load(a / name, weights_only=False), torch.load(b / name, weights_only=False), name)
+    assert json.loads((a / "relax_state.json").read_text()) == json.loads((b / "relax_state.json").read_text())
+
+
+def _resume_matches(tmp_path, monkeypatch, out, step: int, steps: int) -> None:
+    """A fresh run with --load of a copy of the checkpoint the restart resumed from (nothing after it, as a run
+    killed there leaves) gives, step for step, the rollouts and metrics of the restarted run: the restart restored
+    weights, optimizer, RNG and data position as a resume does, and the engine that stayed up did not carry state
+    across (sampling is seeded per sample, relax.rollout.generate). Compared as tests/test_ckpt_resume_e2e does."""
+    monkeypatch.delenv(ENV)
+    name = f"iter_{step:07d}"
+    ckpt = tmp_path / "resume_ckpt"
+    shutil.copytree(out / "ckpt" / name, ckpt / name)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text(str(step))
+    resumed = tmp_path / "resumed"
+    config = _config(tmp_path, steps, "--load", str(ckpt), "--save", str(resumed / "ckpt"),
+                     "--save-debug-rollout-data", str(resumed / "rollouts" / "{rollout_id}.jsonl"), name="resumed")
+    assert run_controller(config) == 0
+    assert_ray_released()
+    a, b = _metrics(out), _metrics(resumed)
+    assert sorted(b) == list(range(step, steps))
+    for s in range(step, steps):
+        assert _rollout(out / "rollouts" / f"{s}.jsonl") == _rollout(resumed / "rollouts" / f"{s}.jsonl"), s
+        for key in ("train/loss", "train/grad_norm", "train/lr", "rollout/reward_mean", "rollout/response_len_mean"):
+            assert a[s][key] == b[s][key], (s, key, a[s][key], b[s][key])
+    last = f"iter_{steps:07d}"
+    _same_checkpoint(out / "ckpt" / last, resumed / "ckpt" / last)
+
+
 def test_killed_rank_restarts_from_checkpoint(tmp_path, monkeypatch, caplog):
     shared_ray()
     monkeypatch.setenv(ENV, "kill:rank=1:step=1:call=train")
@@ -59,6 +122,7 @@ def test_killed_rank_restarts_from_checkpoint(tmp_path, monkeypatch, caplog):
     hook = LocalHook()  # --notify-urls: the restart is announced
     config = _config(tmp_path, 3, "--save", str(out / "ckpt"), "--save-interval", "1", "--max-global-restart", "2",
                      "--save-debug-train-data", str(out / "train" / "{rollout_id}_{rank}.pt"),
+                     "--save-debug-rollout-data", str(out / "rollouts" / "{rollout_id}.jsonl"),
                      "--notify-urls", hook.url())
     try:
         with caplog.at_level(logging.INFO, logger="relax"):
@@ -94,6 +158,7 @@ def test_killed_rank_restarts_from_checkpoint(tmp_path, monkeypatch, caplog):
                                                         for s in range(3)]
     totals = json.loads((out / "sample_accounting.json").read_text())
     assert totals["steps"] == 3 and totals["totals"]["trained"] == 3 * BATCH * N
+    _resume_matches(tmp_path, monkeypatch, out, restarts[0]["resume_step"], 3)
 
 
 def test_hung_rank_past_max_global_restart(tmp_path, monkeypatch, caplog):
