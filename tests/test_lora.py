@@ -8,7 +8,6 @@ import torch
 
 from relax.backends.megatron.lora import LoraSettings, adapter_tensors, is_adapter_param
 from relax.backends.megatron.testing import (
-    build_random_tiny_model,
     hf_response_logprobs,
     hf_trainer,
     toy_pg_loss,
@@ -19,11 +18,7 @@ pytestmark = pytest.mark.usefixtures("megatron_process")
 
 BASE = dict(lr=1e-2, micro_batch_size=2, seed=5, clip_grad=1.0)
 LORA = LoraSettings(rank=4, alpha=8.0, seed=5)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_random_tiny_model(tmp_path_factory.mktemp("lora") / "qwen2", "qwen2", seed=3)
+RANDOM_MODEL = {"seed": 3}  # conftest's model_dir builds this random qwen2 model for the module
 
 
 @pytest.fixture(scope="module")
