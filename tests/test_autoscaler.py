@@ -3,6 +3,7 @@ against real embedded engines in the engine pool that scales out (the new engine
 in after the burst, with every request answered; against a fake pool: the scale-out's timeout (late engines
 cancelled or removed), the decision and completion times of a row, and the throughput from counter deltas."""
 
+import json
 import threading
 import time
 
@@ -127,6 +128,11 @@ def test_a_burst_scales_out_and_back_in(ray_session, tiny_model, tmp_path):
             time.sleep(0.2)
         assert actions == ["scale_out", "scale_in"], actions
         assert (tmp_path / "autoscaler.jsonl").read_text().count("scale_") >= 2
+        status_file = tmp_path / "autoscaler_status.json"  # what relax-status shows: the engines, the decisions
+        assert _wait(lambda: [d["action"] for d in json.loads(status_file.read_text())["decisions"]
+                              if d["action"] != "hold"] == actions, 5)
+        (engine,) = json.loads(status_file.read_text())["engines"]
+        assert engine["url"] == first and "sglang:token_usage" in engine["metrics"]
     finally:
         stop.set()
         if scaler is not None:

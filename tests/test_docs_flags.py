@@ -46,6 +46,8 @@ FOREIGN = {
     "--parser": "examples/genrm/measure_judge.py",
     # pip
     "--no-deps": "pip install",
+    # relax-status (relax/entrypoints/status.py)
+    "--watch": "relax-status", "--last": "relax-status", "--json": "relax-status",
     # SGLang's own server command (python -m sglang.launch_server), see docs/sglang-cpu.md
     "--device": "sglang.launch_server", "--dtype": "sglang.launch_server",
     "--max-total-tokens": "sglang.launch_server",

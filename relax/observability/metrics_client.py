@@ -96,6 +96,18 @@ class MetricsReporter:
         self._pending.append(handle.watch.remote(str(role), str(rank), url))
         return True
 
+    def publish(self, name: str, document: Any) -> bool:
+        """Have the service serve `document` (JSON) at /`name` (the autoscaler's status: /autoscaler) until the
+        next one. Fire-and-forget like `report`; returns whether it was sent."""
+        if not self.enabled:
+            return False
+        handle = self._service()
+        if handle is None or not self._room():
+            self.dropped += 1
+            return False
+        self._pending.append(handle.publish.remote(str(name), document))
+        return True
+
     def _room(self) -> bool:
         """Whether fewer than `max_pending` reports of this process are still unprocessed. Only looked at once
         the list is full, and then with `ray.wait(timeout=0)`, which returns at once."""

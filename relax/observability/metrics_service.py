@@ -17,6 +17,9 @@ serves them from a small HTTP server in a thread of the actor:
   `{"steps": [{"step", "metrics", "sources", "time"}, ...], "latest_step": N}`. `sources` maps
   "role/rank" to what that source reported for the step; `metrics` merges them (a name reported by several
   sources takes the value of the first in (role, rank) order, e.g. trainer rank 0).
+* `GET /autoscaler`: the autoscaler's status with --autoscaler-config, the same JSON as
+  OUTPUT_DIR/autoscaler_status.json (relax/observability/autoscaler_status.py): the rollout manager publishes each
+  status it writes (`publish("autoscaler", status)`); 404 while there is none.
 * `GET /health`.
 
 The server binds loopback while the Ray cluster is one node (the rule engines follow, relax/roles/engine.py)
@@ -124,6 +127,7 @@ class MetricsStore:
         self._reports: dict[str, int] = {}
         self._last_report: dict[tuple[str, str], float] = {}
         self._scrape_errors: dict[tuple[str, str], int] = {}
+        self._documents: dict[str, Any] = {}  # name -> the last JSON document published under it
 
     def report(self, role: str, rank: str, metrics: Mapping[str, Any], step: int | None = None,
                when: float | None = None) -> None:
@@ -142,6 +146,15 @@ class MetricsStore:
                     self._step_time.pop(oldest, None)
             self._reports[role] = self._reports.get(role, 0) + 1
             self._last_report[(role, rank)] = when
+
+    def set_document(self, name: str, document: Any) -> None:
+        """Keep `document` as the current `name` document (e.g. "autoscaler", served at /autoscaler)."""
+        with self._lock:
+            self._documents[str(name)] = document
+
+    def document(self, name: str) -> Any:
+        with self._lock:
+            return self._documents.get(name)
 
     def scrape_failed(self, role: str, rank: str) -> int:
         """Count a failed scrape of (role, rank); returns how many there have been."""
@@ -252,10 +265,17 @@ class _Handler(BaseHTTPRequestHandler):
                 since = _int_param(query, "since")
                 limit = _int_param(query, "limit")
                 self._json({"steps": self.store.steps(since, limit), "latest_step": self.store.latest_step()})
+            elif url.path == "/autoscaler":
+                status = self.store.document("autoscaler")
+                if status is None:
+                    self._send(404, "no autoscaler status: the run needs --autoscaler-config, and its engines must "
+                               "be up\n", "text/plain; charset=utf-8")
+                else:
+                    self._json(status)
             elif url.path == "/health":
                 self._send(200, "ok\n", "text/plain; charset=utf-8")
             else:
-                self._send(404, "not found; try /metrics, /metrics.json, /steps?since=N, /health\n",
+                self._send(404, "not found; try /metrics, /metrics.json, /steps?since=N, /autoscaler, /health\n",
                            "text/plain; charset=utf-8")
         except ValueError as exc:
             self._send(400, f"{exc}\n", "text/plain; charset=utf-8")
@@ -343,6 +363,10 @@ class MetricsService:
 
     def current(self) -> list[dict[str, Any]]:
         return self.store.current()
+
+    def publish(self, name: str, document: Any) -> None:
+        """Serve `document` (JSON) as /`name` from now on (the autoscaler's status: /autoscaler)."""
+        self.store.set_document(name, document)
 
     def watch(self, role: str, rank: str | int, url: str) -> None:
         """Scrape `url`/metrics every scrape_interval_s (first scrape now) as the current values of

@@ -222,7 +222,10 @@ class RolloutManager:
                 self.autoscaler = Autoscaler(
                     cfg, self.pool, scale_out_timeout_s=c.scale_out_timeout,
                     partial_policy=c.scale_out_partial_success_policy, drain_timeout_s=c.scale_in_drain_timeout,
-                    log_path=os.path.join(c.output_dir, "autoscaler.jsonl")).start()
+                    log_path=os.path.join(c.output_dir, "autoscaler.jsonl"),  # and autoscaler_status.json beside
+                    # the metrics service's /autoscaler serves each status too (--use-metrics-service)
+                    publish=(lambda status: self.reporter.publish("autoscaler", status))
+                    if self.reporter.enabled else None).start()
         if c.genrm_model_path:  # never a push target: push_targets reads self.pool alone
             self.genrm = GenRMService(c)
             self.genrm.start()
@@ -511,7 +514,8 @@ class RolloutManager:
         self.next_index = state["next_index"]
 
     def autoscaler_status(self) -> dict[str, Any] | None:
-        """The engines, their last load sample and every autoscaler decision with its reason (None: no autoscaler)."""
+        """The engines with their last metrics, the last load sample, the scaling under way and every autoscaler
+        decision with its reason: what OUTPUT_DIR/autoscaler_status.json holds (None: no autoscaler)."""
         return self.autoscaler.status() if self.autoscaler is not None else None
 
     def shutdown(self) -> None:

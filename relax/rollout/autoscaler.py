@@ -29,6 +29,11 @@ Every decision, with its reason and the metrics behind it, goes to `decisions` (
 `autoscaler_status`) and to OUTPUT_DIR/autoscaler.jsonl, one row each: `time` is when it was decided (wall clock);
 a scaling's row is written once it has finished, with `done_time` and `duration_s` (and `engines`, the active
 engines then). While a scaling is under way, `status()["scaling"]` shows it.
+
+`status()` (the engines with their last scraped metrics, the config, the scaling under way and the decisions) is
+also written atomically to OUTPUT_DIR/autoscaler_status.json after each observation, at a scaling's start and
+after each decision (relax/observability/autoscaler_status.py; `relax-status RUN_DIR` shows it), and handed to
+`publish` (the rollout manager's: the metrics service's `/autoscaler`).
 """
 
 from __future__ import annotations
@@ -42,11 +47,12 @@ import time
 from concurrent.futures import ALL_COMPLETED, FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from relax.wire.auth import engine_api_key
 from relax.config.autoscaler import AutoscalerConfig
-from relax.observability.metrics_client import scrape_engine_metrics
+from relax.observability.autoscaler_status import STATUS_FILE, finite, write_status
+from relax.observability.metrics_client import scrape_engine_metrics, split_metric_key
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +102,65 @@ class ThroughputMeter:
             else:
                 rates[url] = (total - before[1]) / (when - before[0])
         return rates
+
+
+# gauges of an engine's /metrics shown per engine in the status (summed over their label sets)
+STATUS_GAUGES = ("sglang:token_usage", "sglang:num_running_reqs", "sglang:num_queue_reqs")
+# histograms whose p95 over the last scrape interval is shown per engine (SGLang exports these)
+STATUS_HISTOGRAMS = ("sglang:queue_time_seconds", "sglang:time_to_first_token_seconds")
+
+
+def _buckets(metrics: dict[str, float], name: str) -> dict[float, float]:
+    """The cumulative bucket counts of histogram `name` by upper bound (summed over other labels)."""
+    out: dict[float, float] = {}
+    for key, value in metrics.items():
+        base, labels = split_metric_key(key)
+        if base == name + "_bucket" and "le" in labels:
+            try:
+                le = float(labels["le"])
+            except ValueError:
+                continue
+            out[le] = out.get(le, 0.0) + value
+    return out
+
+
+def histogram_quantile(q: float, buckets: dict[float, float]) -> Optional[float]:
+    """The `q` quantile of cumulative `buckets` (upper bound -> count) as Prometheus' histogram_quantile
+    computes it (linear within a bucket; the highest finite bound when it falls in +Inf); None: no observations."""
+    items = sorted(buckets.items())
+    if not items or items[-1][1] <= 0:
+        return None
+    rank = q * items[-1][1]
+    lower, below = 0.0, 0.0
+    for le, count in items:
+        if count >= rank:
+            if math.isinf(le):
+                return lower
+            return le if count <= below else lower + (le - lower) * (rank - below) / (count - below)
+        lower, below = le, count
+    return lower
+
+
+def engine_status_metrics(metrics: dict[str, float], before: Optional[dict[str, float]],
+                          rate: Optional[float]) -> dict[str, Optional[float]]:
+    """One engine's metrics for the status: the gauges it exports, its generated tokens/s (`rate`, from the
+    ThroughputMeter) and the p95 of each histogram over the observations since the scrape `before` (None when
+    there is no earlier scrape, or no request finished in between)."""
+    out: dict[str, Optional[float]] = {}
+    for name in STATUS_GAUGES:
+        value = _metric(metrics, name)
+        if value is not None:
+            out[name] = value if math.isfinite(value) else None
+    out["sglang:gen_throughput"] = rate
+    for name in STATUS_HISTOGRAMS:
+        now = _buckets(metrics, name)
+        if not now:
+            continue
+        then = _buckets(before or {}, name)
+        delta = {le: count - then.get(le, 0.0) for le, count in now.items()}
+        restarted = any(d < 0 for d in delta.values())
+        out[name + ":p95"] = None if not then or restarted else histogram_quantile(0.95, delta)
+    return out
 
 
 def sample_from_metrics(now: float, per_engine: list[dict[str, float]],
@@ -208,13 +273,26 @@ def _in_thread(fn, *args: Any, **kwargs: Any) -> Future:
 
 class Autoscaler:
     def __init__(self, cfg: AutoscalerConfig, pool: Any, *, scale_out_timeout_s: float, partial_policy: str,
-                 drain_timeout_s: float, log_path: Optional[str] = None):
+                 drain_timeout_s: float, log_path: Optional[str] = None, status_path: Optional[str] = None,
+                 publish: Optional[Callable[[dict[str, Any]], None]] = None):
+        """`log_path`: the decisions' JSON lines; `status_path`: where `status()` is kept (default: beside
+        `log_path`, autoscaler_status.json); `publish(status)`: called with each status written."""
         self.cfg = cfg
         self.pool = pool
         self.scale_out_timeout_s = scale_out_timeout_s
         self.partial_policy = partial_policy
         self.drain_timeout_s = drain_timeout_s
         self.log_path = Path(log_path) if log_path else None
+        if status_path is None and self.log_path is not None:
+            status_path = str(self.log_path.with_name(STATUS_FILE))
+        self.status_path = Path(status_path) if status_path else None
+        self.publish = publish
+        # url -> {"metrics", "scraped_at", "scrape_error"}: the last reading of each active engine's /metrics
+        self.engine_metrics: dict[str, dict[str, Any]] = {}
+        self._last_readings: dict[str, dict[str, float]] = {}
+        self.stopped = False
+        self._status_lock = threading.Lock()
+        self._status_warned = False
         self.samples: list[LoadSample] = []
         self.decisions: list[dict[str, Any]] = []
         self.scaling: Optional[dict[str, Any]] = None  # the scaling under way: its action, delta, time, reason
@@ -233,10 +311,45 @@ class Autoscaler:
         self._stop.set()  # a scale-out under way stops waiting and cancels its starts
         if self._thread is not None:
             self._thread.join(wait_s)
+        self.stopped = True
+        self._write_status()
 
     def status(self) -> dict[str, Any]:
-        return {"engines": self.pool.list(), "last_sample": self.samples[-1].__dict__ if self.samples else None,
-                "decisions": list(self.decisions), "scaling": self.scaling, "config": self.cfg.as_dict()}
+        """What OUTPUT_DIR/autoscaler_status.json holds (relax/observability/autoscaler_status.py): the time, the
+        config, the engines with their last scraped metrics, the last load sample, the scaling under way and every
+        decision."""
+        now, mono = time.time(), time.monotonic()
+        readings = self.engine_metrics
+        engines = []
+        for info in self.pool.list():
+            reading = readings.get(info.get("url") or "", {})
+            engines.append({**info, "metrics": reading.get("metrics"), "scraped_at": reading.get("scraped_at"),
+                            "scrape_error": reading.get("scrape_error")})
+        last = None
+        if self.samples:
+            last = dict(self.samples[-1].__dict__)
+            last["time"] = now - (mono - last["time"])  # monotonic -> Unix time
+        with self._record_lock:
+            decisions = list(self.decisions)
+        return finite({"time": now, "state": "stopped" if self.stopped else "running", "config": self.cfg.as_dict(),
+                       "active_engines": sum(1 for e in engines if e.get("state") == "active"), "engines": engines,
+                       "last_sample": last, "scaling": self.scaling, "decisions": decisions})
+
+    def _write_status(self) -> None:
+        """`status()` to the status file (atomically) and to `publish`; a failure is logged once, never raised."""
+        if self.status_path is None and self.publish is None:
+            return
+        try:
+            with self._status_lock:  # one writer at a time, so an older status never replaces a newer one
+                status = self.status()
+                if self.status_path is not None:
+                    write_status(self.status_path, status)
+                if self.publish is not None:
+                    self.publish(status)
+        except Exception as exc:
+            if not self._status_warned:
+                self._status_warned = True
+                logger.warning("autoscaler: status not written to %s: %s", self.status_path, exc)
 
     def _run(self) -> None:
         next_eval = time.monotonic() + self.cfg.evaluation_interval_secs
@@ -253,18 +366,28 @@ class Autoscaler:
     def observe(self) -> LoadSample:
         urls = self.pool.urls()
         readings: dict[str, tuple[float, dict[str, float]]] = {}
+        errors: dict[str, str] = {}
         for url in urls:
             try:
                 metrics = scrape_engine_metrics(url, engine_api_key(), timeout_s=5.0)
                 readings[url] = (time.monotonic(), metrics)
             except Exception as exc:
                 logger.debug("autoscaler: no metrics from %s: %s", url, exc)
+                errors[url] = str(exc) or type(exc).__name__
         rates = self.meter.rates(readings)
+        wall = time.time()
+        shown = {url: {**self.engine_metrics.get(url, {}), "scrape_error": error} for url, error in errors.items()}
+        for url, (_, metrics) in readings.items():
+            shown[url] = {"metrics": engine_status_metrics(metrics, self._last_readings.get(url), rates[url]),
+                          "scraped_at": wall, "scrape_error": None}
+        self.engine_metrics = shown
+        self._last_readings = {url: metrics for url, (_, metrics) in readings.items()}
         now = time.monotonic()
         sample = sample_from_metrics(now, [m for _, m in readings.values()], [rates[url] for url in readings])
         keep = max(self.cfg.condition_window_secs, self.cfg.scale_out_policy.condition_duration_secs,
                    self.cfg.scale_in_policy.condition_duration_secs) + self.cfg.metrics_interval_secs
         self.samples = [s for s in self.samples if s.time >= now - keep] + [sample]
+        self._write_status()
         return sample
 
     def step(self) -> Decision:
@@ -282,10 +405,12 @@ class Autoscaler:
     def _scale_out(self, decision: Decision) -> None:
         decided = time.time()
         self.scaling = {"action": "scale_out", "delta": decision.delta, "time": decided, "reason": decision.reason}
+        self._write_status()
         try:
             self._carry_out_scale_out(decision, decided)
         finally:
             self.scaling = None
+            self._write_status()
 
     def _carry_out_scale_out(self, decision: Decision, decided: float) -> None:
         rollback = self.partial_policy == "rollback_all"
@@ -349,6 +474,7 @@ class Autoscaler:
     def _scale_in(self, decision: Decision) -> None:
         decided = time.time()
         self.scaling = {"action": "scale_in", "delta": -decision.delta, "time": decided, "reason": decision.reason}
+        self._write_status()
         try:
             newest = sorted(self.pool.list(), key=lambda e: e["id"], reverse=True)
             victims = [e["url"] for e in newest if e.get("state") == "active"][:decision.delta]
@@ -358,6 +484,7 @@ class Autoscaler:
             self._record("scale_in", -len(victims), decision.reason, decided=decided, urls=victims, drained=drained)
         finally:
             self.scaling = None
+            self._write_status()
 
     def _record(self, action: str, delta: int, reason: str, decided: Optional[float] = None,
                 **extra: Any) -> None:
@@ -373,5 +500,7 @@ class Autoscaler:
             if self.log_path is not None:
                 with self.log_path.open("a") as f:
                     f.write(json.dumps(row) + "\n")
+        if action not in ("scale_out", "scale_in"):  # a scaling's status follows once `scaling` is cleared
+            self._write_status()
         if action != "hold":
             logger.warning("autoscaler: %s %+d -> %d engines: %s", action, delta, row["engines"], reason)
