@@ -2,7 +2,10 @@
 
     .venv/bin/python benchmarks/grpo_replica.py                          # 8 seeds x 100 steps, the preset
     .venv/bin/python benchmarks/grpo_replica.py --seeds 1234 --kl 0.01 --dual-clip 0 --steps 60
-    .venv/bin/python benchmarks/grpo_replica.py --entropy-coef 0.01 --eps-clip-high 0.28
+    .venv/bin/python benchmarks/grpo_replica.py --entropy-coef 0 --eps-clip-high 0.28
+    .venv/bin/python benchmarks/grpo_replica.py --seeds 1234 --steps 40 --lora-rank 16            # LoRA: plateau ~0.3
+    .venv/bin/python benchmarks/grpo_replica.py --seeds 1234 --steps 40 --lora-rank 16 --train-head
+    .venv/bin/python benchmarks/grpo_replica.py --seeds 1234,4321,777,5555 --head-cap   # why: the frozen head's cap
 
 It is not `relax-train` (no Ray, no engine, no Megatron; its own sampling RNG, so a seed's trajectory differs
 from the real run's), but it computes the same objective on the same assets: the embedded model and task
@@ -11,8 +14,12 @@ drawn from the shuffled 100-row task file, temperature sampling of at most 8 tok
 advantages ((r - group mean) / (unbiased group std + 1e-6)), old log-probs = the policy at rollout time, PPO
 clip 0.2 with optional dual clip, low_var_kl to the warm start, the per-token mean over each optimizer step's
 128 samples, Adam (0.9, 0.999, 1e-8) with clip-grad 1.0, linear warm-up from 0 and cosine decay over
---schedule-steps rollouts. Defaults are the embedded preset's (relax/config/presets.py). Use it to compare
-settings across many seeds; confirm a choice with benchmarks/seed_sweep.py (the real job).
+--schedule-steps rollouts, the entropy bonus. Defaults are the embedded preset's (relax/config/presets.py).
+What trains: everything (the default), --train body (the layers' linears and biases: embeddings, LM head and norms
+frozen), or --lora-rank R (a minimal LoRA as relax.backends.megatron.lora's: one kaiming A per fused Megatron
+linear, zero B, alpha / r; biases frozen), each optionally with --train-head / --train-norms / --train-embed /
+--train-biases. Use it to compare settings across many seeds; confirm a choice with benchmarks/seed_sweep.py (the
+real job).
 
 Prints per seed the first step whose 5-step mean reward exceeds 0.8 and the final reward, then the spread.
 """
@@ -35,6 +42,111 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SEEDS = (1234, 4321, 777, 5555, 1, 2, 3, 42)
 
 
+_LORA_GROUPS = {  # Megatron's fused linears -> the HF modules they cover (one A per fused linear, as Relax's)
+    "linear_qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")),
+    "linear_proj": ("self_attn", ("o_proj",)),
+    "linear_fc1": ("mlp", ("gate_proj", "up_proj")),
+    "linear_fc2": ("mlp", ("down_proj",)),
+}
+_NORM_NAMES = ("input_layernorm", "post_attention_layernorm", "model.norm")
+
+
+def _add_lora(a, model, seed: int) -> list:
+    """A minimal LoRA as relax.backends.megatron.lora's: per fused Megatron linear one A [r, in] (kaiming-uniform,
+    U(-1/sqrt(in), 1/sqrt(in))) shared by the HF modules it covers, a zero B per module, output += alpha/r B(A x).
+    Biases stay frozen."""
+    import torch
+    import torch.nn.functional as F
+
+    r, scale = a.lora_rank, a.lora_alpha / a.lora_rank
+    gen = torch.Generator().manual_seed(seed + 17)
+    params = []
+    for li, layer in enumerate(model.model.layers):
+        for target in a.lora_targets.split(","):
+            parent_name, names = _LORA_GROUPS[target]
+            parent = getattr(layer, parent_name)
+            mods = [getattr(parent, n) for n in names]
+            fan_in = mods[0].in_features
+            bound = 1.0 / math.sqrt(fan_in)
+            if a.lora_init == "gaussian":
+                A = torch.nn.Parameter(torch.empty(r, fan_in).normal_(0.0, 1.0 / r, generator=gen))
+            else:
+                A = torch.nn.Parameter(torch.empty(r, fan_in).uniform_(-bound, bound, generator=gen))
+            params.append(A)
+            for name, mod in zip(names, mods):
+                B = torch.nn.Parameter(torch.zeros(mod.out_features, r))
+                mod._lora = (A, B)
+                params.append(B)
+
+                def hook(m, args, out):
+                    A_, B_ = m._lora
+                    return out + F.linear(F.linear(args[0], A_), B_) * scale
+
+                mod.register_forward_hook(hook)
+    return params
+
+
+def configure_trainable(a, model, seed: int) -> list:
+    """What trains (--train / --lora-rank and the --train-* additions); returns the optimizer's parameters."""
+    base = dict(model.named_parameters())
+    for p in base.values():
+        p.requires_grad_(False)
+    chosen = []
+    if a.lora_rank:
+        chosen += _add_lora(a, model, seed)
+    elif a.train == "all":
+        chosen += list(base.values())
+    elif a.train == "body":  # full fine-tuning of the transformer layers' linears (+ biases), no embeddings/head/norms
+        chosen += [p for n, p in base.items() if n.startswith("model.layers.") and "layernorm" not in n]
+    elif a.train == "none":
+        pass
+    extra = []
+    if a.train_norms:
+        extra += [p for n, p in base.items() if any(k in n for k in _NORM_NAMES)]
+    if a.train_embed:
+        extra += [p for n, p in base.items() if "embed_tokens" in n]
+    if a.train_head:
+        extra += [p for n, p in base.items() if n.startswith("lm_head")]
+    if a.train_biases:
+        extra += [p for n, p in base.items() if n.endswith(".bias")]
+    seen = {id(p) for p in chosen}
+    chosen += [p for p in extra if id(p) not in seen and not seen.add(id(p))]
+    for p in chosen:
+        p.requires_grad_(True)
+    return chosen
+
+
+def head_cap(seed: int, workdir: Path, steps: int = 3000) -> dict:
+    """The most any change of the transformer body (LoRA on any linears at any rank, or full fine-tuning of the
+    layers) can reach with the final norm and the LM head frozen: for each digit d, the final hidden state x itself
+    (64 free numbers) is optimised through the frozen final RMSNorm and LM head for log p(d). A body change only
+    moves x, so max p(d) bounds the reward of every prompt whose answer is d."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from relax.models.embedded import build_embedded_assets
+
+    base = workdir / f"assets_{seed % 1000}"
+    build_embedded_assets(str(base / "model"), str(base / "train.jsonl"), seed=seed % 1000)
+    tok = AutoTokenizer.from_pretrained(base / "model")
+    model = AutoModelForCausalLM.from_pretrained(base / "model", dtype=torch.float32)
+    model.requires_grad_(False)
+    digits = torch.tensor([tok.convert_tokens_to_ids(tok.tokenize(str(d)))[0] for d in range(10)])
+    x = torch.randn(10, model.config.hidden_size, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+    opt = torch.optim.Adam([x], lr=0.05)
+    for _ in range(steps):
+        loss = torch.nn.functional.cross_entropy(model.lm_head(model.model.norm(x)), digits)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        cap = torch.softmax(model.lm_head(model.model.norm(x)), -1)[torch.arange(10), digits]
+        rows = model.lm_head.weight[digits] * model.model.norm.weight
+        cos = torch.nn.functional.cosine_similarity(rows[:, None], rows[None], dim=-1)
+    return {"seed": seed, "cap": cap.tolist(), "cap_mean": float(cap.mean()),
+            "digit_rows_mean_cos": float((cos.sum() - 10) / 90)}
+
+
 def run_seed(a, seed: int, workdir: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -47,11 +159,12 @@ def run_seed(a, seed: int, workdir: Path) -> dict:
     tok = AutoTokenizer.from_pretrained(base / "model")
     model = AutoModelForCausalLM.from_pretrained(base / "model", dtype=torch.float32)
     ref = copy.deepcopy(model).eval()
+    params = configure_trainable(a, model, seed)
     rows = [json.loads(line) for line in (base / "train.jsonl").read_text().splitlines()]
     eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
-    opt = torch.optim.Adam(model.parameters(), lr=a.lr, betas=(0.9, 0.999), eps=1e-8)
+    opt = torch.optim.Adam(params, lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=a.weight_decay)
     total = a.schedule_steps * a.steps_per_rollout
 
     def lr_at(i: int) -> float:
@@ -128,10 +241,12 @@ def run_seed(a, seed: int, workdir: Path) -> dict:
             x = (lp - ref_lp[idx]).clamp(-20, 20)
             kl = (torch.expm1(-x) + x).clamp(-10, 10)
             (((pg + a.kl * kl - a.entropy_coef * ent) * m).sum() / m.sum()).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             it += 1
         rewards.append(float(reward.mean()))
+        if a.log_every and step % a.log_every == 0:
+            print(f"  seed {seed} step {step}: reward {rewards[-1]:.3f}", flush=True)
     cross = next((i for i in range(4, len(rewards)) if statistics.fmean(rewards[i - 4:i + 1]) > 0.8), None)
     return {"seed": seed, "cross": cross, "final": rewards[-1], "final5": statistics.fmean(rewards[-5:]),
             "rewards": rewards}
@@ -149,11 +264,28 @@ def main() -> int:
     p.add_argument("--kl", type=float, default=0.1)
     p.add_argument("--eps-clip", type=float, default=0.2)
     p.add_argument("--eps-clip-high", type=float, default=None, help="default: --eps-clip")
-    p.add_argument("--entropy-coef", type=float, default=0.0)
+    p.add_argument("--entropy-coef", type=float, default=0.01)
     p.add_argument("--dual-clip", type=float, default=3.0, help="0: off")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--n", type=int, default=16)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--train", choices=("all", "body", "none"), default="all",
+                   help="full fine-tuning of everything, of the layers' linears only (embeddings, LM head and norms "
+                        "frozen), or of nothing but the --train-* additions; ignored with --lora-rank")
+    p.add_argument("--lora-rank", type=int, default=0, help="> 0: LoRA adapters instead of --train (base frozen)")
+    p.add_argument("--lora-alpha", type=float, default=16.0)
+    p.add_argument("--lora-init", choices=("kaiming", "gaussian"), default="kaiming")
+    p.add_argument("--lora-targets", default="linear_qkv,linear_proj,linear_fc1,linear_fc2")
+    p.add_argument("--train-norms", action="store_true", help="also train the RMSNorm weights")
+    p.add_argument("--train-embed", action="store_true", help="also train the input embeddings")
+    p.add_argument("--train-head", action="store_true", help="also train the LM head (untied)")
+    p.add_argument("--train-biases", action="store_true", help="also train the biases (qwen2's QKV)")
+    p.add_argument("--head-cap", action="store_true",
+                   help="only print, per seed, the highest p(answer digit) any change of the body can reach with "
+                        "the final norm and LM head frozen (what LoRA without --train-head can reach)")
+    p.add_argument("--log-every", type=int, default=0, help="print the reward every this many steps (0: off)")
+    p.add_argument("--json", default=None, help="write the per-seed results (rewards included) here")
     p.add_argument("--workdir", default=None, help="where the assets are copied (default: a temporary folder)")
     a = p.parse_args()
     import torch
@@ -162,12 +294,21 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(a.workdir or tmp)
+        if a.head_cap:
+            for seed in (int(s) for s in a.seeds.split(",")):
+                r = head_cap(seed, workdir)
+                print(f"seed {seed}: max p(digit) with the head frozen {r['cap_mean']:.3f} (per digit "
+                      f"{min(r['cap']):.2f}-{max(r['cap']):.2f}); digit rows of the head (x norm gain): mean "
+                      f"pairwise cosine {r['digit_rows_mean_cos']:.3f}", flush=True)
+            return 0
         for seed in (int(s) for s in a.seeds.split(",")):
             t0 = time.perf_counter()
             r = run_seed(a, seed, workdir)
             results.append(r)
             print(f"seed {seed}: 5-step mean > 0.8 at step {r['cross']}, final {r['final']:.3f} "
                   f"(mean of last 5 {r['final5']:.3f}), {time.perf_counter() - t0:.0f} s", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"args": vars(a), "results": results}))
     crossings = [r["cross"] if r["cross"] is not None else a.steps for r in results]
     print(f"crossing over {len(results)} seeds: min {min(crossings)}, median {statistics.median(crossings):g}, "
           f"max {max(crossings)}; final reward min {min(r['final'] for r in results):.3f}")

@@ -19,10 +19,12 @@ ROW_TARGETS = ("linear_proj", "linear_fc2")
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 ALL_LINEAR = "all-linear"
 LORA_INITS = ("kaiming", "gaussian")
+# modules trained in full beside the adapters (PEFT's modules_to_save), by Megatron name
+LORA_SAVE_MODULES = ("output_layer",)
 # the defaults of the flags that mean something only with --lora-rank (relax.config.flags.lora uses them): a value
 # equal to its default, as a resolved config file restates it, is not a setting of its own
 LORA_DEFAULTS = {"lora_alpha": 16.0, "lora_dropout": 0.0, "lora_target_modules": [ALL_LINEAR], "lora_init": "kaiming",
-                 "lora_load": None, "lora_merge_sync": False}
+                 "lora_load": None, "lora_merge_sync": False, "lora_modules_to_save": []}
 LORA_FLAGS = tuple(LORA_DEFAULTS)
 # the name the trainer loads its adapter under on the engines and the rollout's requests name (SGLang's lora_path)
 ADAPTER_NAME = "policy"
@@ -61,6 +63,10 @@ def check_values(v: dict, explicit) -> None:
                           f"{', '.join(LORA_TARGETS)} or {ALL_LINEAR}")
     if not given:
         raise ConfigError(f"--lora-target-modules: give at least one of {', '.join(LORA_TARGETS)} or {ALL_LINEAR}")
+    unknown = [m for m in v.get("lora_modules_to_save") or [] if m not in LORA_SAVE_MODULES]
+    if unknown:
+        raise ConfigError(f"--lora-modules-to-save {' '.join(unknown)}: unknown; use Megatron's names "
+                          f"({', '.join(LORA_SAVE_MODULES)})")
     if v["lora_load"] and not Path(v["lora_load"]).exists():
         raise ConfigError(f"--lora-load {v['lora_load']}: no such folder (give a PEFT adapter folder, or the --save "
                           "folder or an iter_* folder of a LoRA run)")
@@ -72,6 +78,9 @@ def check_combinations(v: dict, explicit) -> None:
         return
     if adapter_sync(v):
         _check_adapter_sync(v)
+    if v.get("lora_modules_to_save") and v.get("save_hf"):
+        raise ConfigError("not supported yet: --save-hf with --lora-modules-to-save (the PEFT export of a trained "
+                          "module beside the adapters); drop --save-hf (--save keeps both)")
     if v["only_train_params_name_list"] or v["freeze_params_name_list"]:
         raise ConfigError("--lora-rank trains the adapters only (the base is frozen): drop "
                           "--only-train-params-name-list / --freeze-params-name-list")
@@ -100,7 +109,9 @@ def _check_adapter_sync(v: dict) -> None:
 
         backend = resolve_backend(backend)
     why = None
-    if backend == "sglang":
+    if v.get("lora_modules_to_save"):
+        why = "--lora-modules-to-save: the engines would need the trained module beside the adapter"
+    elif backend == "sglang":
         why = "real SGLang engines (--rollout-backend sglang) are not launched with LoRA yet"
     elif v.get("lora_load"):
         why = "--lora-load: the engines would serve the base until the first push"

@@ -74,6 +74,7 @@ TRAINING_FEATURES: frozenset[str] = ARCH_FEATURES | GPU_ONLY_FEATURES | CPU_OPTI
     # LoRA adapters, merged-weight sync (relax.backends.megatron.lora; tests/test_lora*.py); adapter-only sync is
     # refused by relax.config.rules_lora until it is built
     "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_init", "lora_load", "lora_merge_sync",
+    "lora_modules_to_save",
 })
 
 # Values of flags whose other values are not built yet (merge into relax.config.support.SUPPORTED_VALUES):

@@ -19,8 +19,9 @@ Tensor parallelism, laid out so that the TP ranks together compute exactly what 
 Adapters are initialised from the global layer number and the seed, identically for any TP size (a split A is cut
 from the full one), so a TP 2 run equals a TP 1 run.
 
-Only the adapters (and a critic's value head) train: everything else is frozen before Megatron's DDP wrapper
-and optimizer are built, so its grad buffers, the optimizer's state and grad clipping see only them.
+Only the adapters (a critic's value head, and the modules of --lora-modules-to-save, PEFT's modules_to_save: the LM
+head) train: everything else is frozen before Megatron's DDP wrapper and optimizer are built, so its grad buffers,
+the optimizer's state and grad clipping see only them.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class LoraSettings:
     targets: tuple[str, ...] = LORA_TARGETS
     init: str = "kaiming"  # kaiming | gaussian (A); B is zero
     seed: int = 1234
+    modules_to_save: tuple[str, ...] = ()  # trained in full beside the adapters (PEFT's modules_to_save)
 
     @property
     def scale(self) -> float:
@@ -62,6 +64,11 @@ class LoraSettings:
 
 def is_adapter_param(param: torch.Tensor) -> bool:
     return bool(getattr(param, "relax_lora", False))
+
+
+def is_saved_module_param(param: torch.Tensor) -> bool:
+    """A parameter of a module trained in full beside the adapters (--lora-modules-to-save)."""
+    return bool(getattr(param, "relax_lora_saved", False))
 
 
 def has_adapters(model: torch.nn.Module) -> bool:
@@ -157,10 +164,33 @@ def add_adapters(gpt: torch.nn.Module, settings: LoraSettings) -> list[str]:
     if missing and gpt.decoder.layers:  # a pipeline stage with layers holds every kind of a dense layer
         raise NotImplementedError(f"LoRA targets {missing} match no layer of this model (MoE expert layers are not "
                                   "supported yet)")
+    saved = _mark_saved_modules(gpt, settings.modules_to_save)
     for param in gpt.parameters():
-        if not is_adapter_param(param) and not is_value_head_param(param):
+        if not is_adapter_param(param) and not is_value_head_param(param) and id(param) not in saved:
             param.requires_grad_(False)
     return done
+
+
+def _mark_saved_modules(gpt: torch.nn.Module, names: tuple[str, ...]) -> set[int]:
+    """Mark the parameters of `names` (--lora-modules-to-save) as trained beside the adapters; their ids.
+
+    Why the LM head: a body change (any LoRA, or full fine-tuning of the layers) only moves the final hidden state,
+    which the final norm brings to a fixed length before the head; with the head frozen the reachable logit margins
+    are bounded by the head's rows. On the embedded default that bound is p(answer) ~0.3 (docs/lora.md)."""
+    ids: set[int] = set()
+    for name in names:
+        if name != "output_layer":
+            raise ValueError(f"LoRA modules_to_save: {name!r} is not supported (output_layer only)")
+        if getattr(gpt, "share_embeddings_and_output_weights", False):
+            raise NotImplementedError("--lora-modules-to-save output_layer on a model whose LM head is tied to its "
+                                      "input embeddings is not supported yet")
+        layer = getattr(gpt, "output_layer", None)
+        if layer is None:  # a pipeline stage without the head: nothing of it here
+            continue
+        for param in layer.parameters():
+            param.relax_lora_saved = True
+            ids.add(id(param))
+    return ids
 
 
 @torch.no_grad()
@@ -178,12 +208,14 @@ def merged_weight(param: torch.Tensor) -> torch.Tensor:
 def _adapter_keys(gpt: torch.nn.Module) -> set[str]:
     from relax.backends.megatron.model import is_value_head_param
 
-    return {n for n, p in gpt.named_parameters() if is_adapter_param(p) or is_value_head_param(p)}
+    return {n for n, p in gpt.named_parameters() if is_adapter_param(p) or is_value_head_param(p)
+            or is_saved_module_param(p)}
 
 
 def checkpoint_state(gpt: torch.nn.Module) -> dict[str, Any]:
-    """What a checkpoint keeps of the model: with adapters only the trained tensors (adapters, a value head), the
-    frozen base coming from --hf-checkpoint / --ref-load again at resume; the full state dict otherwise."""
+    """What a checkpoint keeps of the model: with adapters only the trained tensors (adapters, a value head, the
+    modules of --lora-modules-to-save), the frozen base coming from --hf-checkpoint / --ref-load again at resume;
+    the full state dict otherwise."""
     state = gpt.state_dict()
     keys = _adapter_keys(gpt)
     if not any(is_adapter_param(p) for p in gpt.parameters()):
@@ -241,7 +273,8 @@ def lora_settings(config: Any) -> Optional[LoraSettings]:
     if not getattr(config, "lora_rank", 0):
         return None
     return LoraSettings(rank=int(config.lora_rank), alpha=float(config.lora_alpha), dropout=float(config.lora_dropout),
-                        targets=lora_targets(config), init=config.lora_init, seed=int(config.seed))
+                        targets=lora_targets(config), init=config.lora_init, seed=int(config.seed),
+                        modules_to_save=tuple(getattr(config, "lora_modules_to_save", None) or ()))
 
 
 def load_adapters(trainer: Any, path: str) -> None:
@@ -266,7 +299,7 @@ def load_adapters(trainer: Any, path: str) -> None:
             raise ValueError(f"--lora-load {path}: a Hugging Face model folder, neither a PEFT adapter "
                              "(adapter_config.json) nor a Relax checkpoint of a LoRA run")
         state = load_state_file(where / rank_file(dist.get_rank()), read_meta(where).get("iteration"))["model"]
-    keys = sorted(n for n, p in gpt.named_parameters() if is_adapter_param(p))
+    keys = sorted(n for n, p in gpt.named_parameters() if is_adapter_param(p) or is_saved_module_param(p))
     missing = [k for k in keys if k not in state]
     if missing:
         raise KeyError(f"--lora-load {path}: no adapter tensors {missing[:4]} (a checkpoint of another "

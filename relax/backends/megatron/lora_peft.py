@@ -125,5 +125,8 @@ def peft_snapshot(trainer: Any) -> tuple[list[tuple[str, torch.Tensor]], dict[st
     if trainer.layout.pp > 1:
         raise NotImplementedError("--save-hf with --lora-rank and pipeline parallelism is not supported yet (a PEFT "
                                   "adapter is one file)")
+    if trainer.settings.lora.modules_to_save:
+        raise NotImplementedError("a PEFT adapter (--save-hf, adapter-only sync) with --lora-modules-to-save is not "
+                                  "supported yet: it would lack the trained head; use --lora-merge-sync and --save")
     gpt = unwrap_model(trainer.model)
     return peft_tensors(gpt, trainer.arch), peft_config(gpt, trainer.arch, trainer.settings.lora, None)

@@ -1,7 +1,7 @@
 """LoRA flags (named as verl and Megatron-Bridge users know them): adapters on the trainer's linear layers
 (relax/backends/megatron/lora.py), checked before Ray by relax/config/rules_lora.py; docs/lora.md."""
 
-from relax.config.rules_lora import ALL_LINEAR, LORA_DEFAULTS, LORA_INITS, LORA_TARGETS
+from relax.config.rules_lora import ALL_LINEAR, LORA_DEFAULTS, LORA_INITS, LORA_SAVE_MODULES, LORA_TARGETS
 
 
 def add_flags(parser):
@@ -17,6 +17,12 @@ def add_flags(parser):
     g.add_argument("--lora-target-modules", type=str, nargs="+", default=list(LORA_DEFAULTS["lora_target_modules"]),
                    help=f"Megatron linear layers that get adapters: any of {', '.join(LORA_TARGETS)}, or "
                         f"{ALL_LINEAR} (all four). MoE expert layers are not supported yet.")
+    g.add_argument("--lora-modules-to-save", type=str, nargs="+",
+                   default=list(LORA_DEFAULTS["lora_modules_to_save"]),
+                   help="Modules trained in full beside the adapters (PEFT's modules_to_save), by Megatron name: "
+                        f"{', '.join(LORA_SAVE_MODULES)} (the LM head; untied models). Needs --lora-merge-sync; a "
+                        "--save checkpoint keeps them with the adapters. The embedded default needs it to learn "
+                        "(docs/lora.md).")
     g.add_argument("--lora-init", type=str, choices=list(LORA_INITS), default=LORA_DEFAULTS["lora_init"],
                    help="Initialisation of A (kaiming: PEFT's kaiming-uniform; gaussian: N(0, 1/r^2)); B starts "
                         "at zero, so the model starts as the base.")
