@@ -16,7 +16,7 @@ from relax.wire.auth import auth_headers, engine_api_key
 from relax.wire.engine_client import EngineClient
 from relax.config import ConfigError, parse_config
 from relax.config.autoscaler import AutoscalerConfig, ScaleInPolicy, ScaleOutPolicy, load_autoscaler_config
-from relax.rollout.autoscaler import Autoscaler, LoadSample, decide
+from relax.rollout.autoscaler import Autoscaler, LoadSample, decide, sample_from_metrics
 from test_engine_pool import Router, WeightSource, make_pool, perturbed_weights
 
 
@@ -71,6 +71,32 @@ def test_decisions():
     wobbly = [LoadSample(time=now - 12 + i, engines=2, token_usage=0.1, queue_per_engine=0.0,
                          throughput=100.0 * (i % 2)) for i in range(13)]
     assert decide(cfg, wobbly, 2, now, never, never).action == "hold"  # throughput not steady
+
+
+def _ttft(counts: dict[str, float]) -> dict[str, float]:
+    """An engine's scrape holding SGLang's time-to-first-token histogram with cumulative `counts` by bound."""
+    return {f'sglang:time_to_first_token_seconds_bucket{{le="{le}"}}': c for le, c in counts.items()}
+
+
+def test_a_slow_first_token_across_the_pool_scales_out():
+    # Two engines between two scrapes: engine 0 answered 10 requests within 0.5 s, engine 1 answered 10 taking
+    # 2-8 s. The pool's p95 reads both intervals summed (20 requests, the 19th in the 2-8 s bucket), not one
+    # engine alone, and not the counts since each engine started.
+    before = [_ttft({"0.5": 100, "2": 100, "8": 100, "+Inf": 100}), _ttft({"0.5": 5, "2": 5, "8": 5, "+Inf": 5})]
+    after = [_ttft({"0.5": 110, "2": 110, "8": 110, "+Inf": 110}), _ttft({"0.5": 5, "2": 5, "8": 15, "+Inf": 15})]
+    sample = sample_from_metrics(10.0, after, [1.0, 1.0], before)
+    assert sample.ttft_p95 == pytest.approx(2 + 6 * 9 / 10) and sample.queue_time_p95 is None
+    assert sample_from_metrics(10.0, after, [1.0, 1.0]).ttft_p95 is None  # no earlier scrape: no interval
+    # engine 1's counts went down (it restarted): its interval is unknown, engine 0's 10 fast requests remain
+    restarted = [after[0], _ttft({"0.5": 1, "2": 1, "8": 1, "+Inf": 1})]
+    assert sample_from_metrics(10.0, restarted, [1.0, 1.0], before).ttft_p95 == pytest.approx(0.5 * 0.95)
+
+    cfg = AutoscalerConfig(max_engines=3, scale_out_policy=ScaleOutPolicy(condition_duration_secs=2,
+                                                                          ttft_p95_threshold=5.0))
+    window = [LoadSample(time=8.0 + i, engines=2, token_usage=0.1, queue_per_engine=0.0, throughput=1.0,
+                         ttft_p95=sample.ttft_p95) for i in range(3)]
+    d = decide(cfg, window, 2, 10.0, float("-inf"), float("-inf"))
+    assert d.action == "scale_out" and "time to first token" in d.reason, d
 
 
 @pytest.mark.e2e

@@ -141,6 +141,19 @@ def histogram_quantile(q: float, buckets: dict[float, float]) -> Optional[float]
     return lower
 
 
+def _interval_buckets(metrics: dict[str, float], before: Optional[dict[str, float]],
+                      name: str) -> Optional[dict[float, float]]:
+    """Histogram `name`'s cumulative bucket counts of the observations between the scrape `before` and
+    `metrics`; None when the engine does not export it, there is no earlier scrape, or its counts went down (the
+    engine restarted)."""
+    now = _buckets(metrics, name)
+    then = _buckets(before or {}, name)
+    if not now or not then:
+        return None
+    delta = {le: count - then.get(le, 0.0) for le, count in now.items()}
+    return None if any(d < 0 for d in delta.values()) else delta
+
+
 def engine_status_metrics(metrics: dict[str, float], before: Optional[dict[str, float]],
                           rate: Optional[float]) -> dict[str, Optional[float]]:
     """One engine's metrics for the status: the gauges it exports, its generated tokens/s (`rate`, from the
@@ -153,20 +166,29 @@ def engine_status_metrics(metrics: dict[str, float], before: Optional[dict[str, 
             out[name] = value if math.isfinite(value) else None
     out["sglang:gen_throughput"] = rate
     for name in STATUS_HISTOGRAMS:
-        now = _buckets(metrics, name)
-        if not now:
-            continue
-        then = _buckets(before or {}, name)
-        delta = {le: count - then.get(le, 0.0) for le, count in now.items()}
-        restarted = any(d < 0 for d in delta.values())
-        out[name + ":p95"] = None if not then or restarted else histogram_quantile(0.95, delta)
+        if _buckets(metrics, name):
+            delta = _interval_buckets(metrics, before, name)
+            out[name + ":p95"] = None if delta is None else histogram_quantile(0.95, delta)
     return out
 
 
+def pool_p95(name: str, scrapes: list[tuple[dict[str, float], Optional[dict[str, float]]]]) -> Optional[float]:
+    """The p95 of histogram `name` over every request the engines finished between their last two scrapes
+    ((now, before) per engine): their interval buckets summed, as Prometheus' histogram_quantile over a sum. None
+    when no engine gives an interval of it (the p95 conditions then do not hold)."""
+    merged: dict[float, float] = {}
+    for metrics, before in scrapes:
+        for le, count in (_interval_buckets(metrics, before, name) or {}).items():
+            merged[le] = merged.get(le, 0.0) + count
+    return histogram_quantile(0.95, merged) if merged else None
+
+
 def sample_from_metrics(now: float, per_engine: list[dict[str, float]],
-                        rates: Optional[list[Optional[float]]] = None) -> LoadSample:
+                        rates: Optional[list[Optional[float]]] = None,
+                        before: Optional[list[Optional[dict[str, float]]]] = None) -> LoadSample:
     """One `LoadSample` from each engine's scraped metrics ({"name{labels}": value}) and, in the same order, its
-    generated tokens/s (`ThroughputMeter`; default: the engines' `sglang:gen_throughput` gauges)."""
+    generated tokens/s (`ThroughputMeter`; default: the engines' `sglang:gen_throughput` gauges) and its scrape
+    before this one (`before`: the queue-time and time-to-first-token p95 over the interval between them)."""
 
     def values(name: str) -> list[float]:
         return [_metric(m, name) or 0.0 for m in per_engine]
@@ -177,8 +199,11 @@ def sample_from_metrics(now: float, per_engine: list[dict[str, float]],
     if rates is None:
         rates = values("sglang:gen_throughput")
     throughput = None if any(r is None for r in rates) else float(sum(rates))
+    scrapes = list(zip(per_engine, before if before is not None else [None] * len(per_engine)))
     return LoadSample(time=now, engines=len(per_engine), token_usage=sum(usage) / n,
-                      queue_per_engine=sum(queue) / n, throughput=throughput)
+                      queue_per_engine=sum(queue) / n, throughput=throughput,
+                      queue_time_p95=pool_p95("sglang:queue_time_seconds", scrapes),
+                      ttft_p95=pool_p95("sglang:time_to_first_token_seconds", scrapes))
 
 
 @dataclass(frozen=True)
@@ -381,9 +406,10 @@ class Autoscaler:
             shown[url] = {"metrics": engine_status_metrics(metrics, self._last_readings.get(url), rates[url]),
                           "scraped_at": wall, "scrape_error": None}
         self.engine_metrics = shown
-        self._last_readings = {url: metrics for url, (_, metrics) in readings.items()}
         now = time.monotonic()
-        sample = sample_from_metrics(now, [m for _, m in readings.values()], [rates[url] for url in readings])
+        sample = sample_from_metrics(now, [m for _, m in readings.values()], [rates[url] for url in readings],
+                                     [self._last_readings.get(url) for url in readings])
+        self._last_readings = {url: metrics for url, (_, metrics) in readings.items()}
         keep = max(self.cfg.condition_window_secs, self.cfg.scale_out_policy.condition_duration_secs,
                    self.cfg.scale_in_policy.condition_duration_secs) + self.cfg.metrics_interval_secs
         self.samples = [s for s in self.samples if s.time >= now - keep] + [sample]
