@@ -44,6 +44,8 @@ FOREIGN = {
     "--seeds": "benchmarks/seed_sweep.py", "--parallel": "benchmarks/seed_sweep.py",
     "--judge-len": "examples/genrm/measure_judge.py", "--template": "examples/genrm/measure_judge.py",
     "--parser": "examples/genrm/measure_judge.py",
+    "--train": "benchmarks/grpo_replica.py", "--train-head": "benchmarks/grpo_replica.py",
+    "--train-norms": "benchmarks/grpo_replica.py", "--head-cap": "benchmarks/grpo_replica.py",
     # pip
     "--no-deps": "pip install",
     # relax-status (relax/entrypoints/status.py)
