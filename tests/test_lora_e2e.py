@@ -1,5 +1,6 @@
 """The embedded default with LoRA, through the controller (docs/lora.md): merged-weight sync (--lora-merge-sync),
-adapter-only sync, and adapter-only sync in fully-async mode."""
+adapter-only sync, adapter-only sync in fully-async mode, and merged sync with the LM head trained beside the
+adapters (--lora-modules-to-save)."""
 
 import math
 from pathlib import Path
@@ -152,3 +153,36 @@ def test_fully_async_with_adapter_only_sync(tmp_path):
     assert version == "3"
     assert max(abs(a - b) for got, want in zip(engine, trainer) for a, b in zip(got, want)) <= 1e-5
     assert max(abs(a - b) for got, want in zip(engine, base) for a, b in zip(got, want)) > 1e-4
+
+
+def test_merged_sync_with_the_trained_head(tmp_path):
+    """--lora-modules-to-save output_layer (what the embedded default needs to learn with LoRA, docs/lora.md): the
+    trainer trains and optimizes the adapters and the LM head only, and each merged push carries the trained head:
+    step 1, generated after the first push, has the trainer's log-probs on the engine. (With the head left out of
+    the export the engine's log-probs differ by ~4.6 and this fails.)"""
+    config = parse_config(["--output-dir", str(tmp_path / "out"), "--num-rollout", "2", "--lora-rank", "8",
+                           "--lora-merge-sync", "--lora-modules-to-save", "output_layer", "--get-mismatch-metrics",
+                           "--custom-tis-function-path", "test_lora_e2e.no_correction", "--check-weight-update-equal"])
+    require_supported(config)
+    build_embedded_assets(config.hf_checkpoint, config.prompt_data, seed=config.seed % 1000)
+    seen = {}
+
+    def count(self):
+        from relax.backends.megatron.lora import is_adapter_param, is_saved_module_param
+
+        params = list(self.trainer.gpt_model.parameters())
+        optimized = sum(p.numel() for g in self.trainer.optimizer.param_groups for p in g["params"])
+        return (sum(p.numel() for p in params if p.requires_grad), optimized,
+                sum(p.numel() for p in params if is_adapter_param(p)),
+                sum(p.numel() for p in params if is_saved_module_param(p)),
+                self.trainer.gpt_model.output_layer.weight.numel())
+
+    def after_start(controller):
+        seen["counts"] = ray.get(controller.workers[0].__ray_call__.remote(count))
+
+    records = run_steps(config, after_start)
+    trainable, optimized, adapters, saved, head = seen["counts"]
+    assert trainable == optimized == adapters + saved and saved == head > 0
+    assert len(records) == 2
+    for record in records:  # step 0: the base on both sides; step 1: after a push of moved adapters and head
+        assert record["train/mismatch_logprob_abs_diff_mean"] <= 1e-5, record
