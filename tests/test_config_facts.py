@@ -64,3 +64,49 @@ def test_a_gpu_makes_the_reference_a_role(tmp_path, monkeypatch):
     assert _config(tmp_path, *KL).reference_placement == facts.REFERENCE_ROLE
     monkeypatch.setattr(facts, "driver_has_gpu", lambda: False)
     assert _config(tmp_path, *KL).reference_placement in facts.IN_ACTOR_RANKS
+
+
+_CPU_BUILD_CHECK = """
+import sys
+from relax.config import facts
+cpu_only = facts.torch_built_for_cpu_only()
+imported = "torch" in sys.modules
+import torch
+print("CHECK", cpu_only, imported, torch.version.cuda is None and torch.version.hip is None, torch.cuda.is_available())
+"""
+
+
+def test_the_gpu_test_reads_a_cpu_only_torch_build_without_importing_torch():
+    """Validation runs before Ray starts: with a CPU-only torch it answers from torch's version file, and that
+    answer agrees with torch's own."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _CPU_BUILD_CHECK], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = [x for x in out.stdout.splitlines() if x.startswith("CHECK")][0]
+    _, cpu_only, imported, torch_cpu_only, available = line.split()
+    assert imported == "False" and cpu_only == torch_cpu_only
+    if cpu_only == "True":
+        assert available == "False"
+
+
+@pytest.mark.parametrize("text, cpu_only", [
+    ("cuda: Optional[str] = None\nhip: Optional[str] = None\n", True),
+    ("cuda = None\nhip = None\n", True),
+    ("cuda: Optional[str] = '12.4'\nhip: Optional[str] = None\n", False),
+    ("cuda: Optional[str] = None\nhip: Optional[str] = '6.2.4'\n", False),
+    ("cuda: Optional[str] = None\n", False),  # a file that does not say: torch is asked
+    ("not python(", False),
+])
+def test_only_a_version_file_naming_neither_cuda_nor_rocm_is_a_cpu_build(tmp_path, monkeypatch, text, cpu_only):
+    import importlib.machinery
+    import importlib.util
+    import sys
+
+    (tmp_path / "version.py").write_text(text)
+    spec = importlib.machinery.ModuleSpec("torch", None, is_package=True)
+    spec.submodule_search_locations = [str(tmp_path)]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec if name == "torch" else None)
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    assert facts.torch_built_for_cpu_only() is cpu_only

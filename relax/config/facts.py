@@ -31,10 +31,39 @@ REFERENCE_WHERE = {  # each placement as --dry-run states it
 def driver_has_gpu() -> bool:
     """The one GPU test of validation: whether this process (the driver, where the flags are validated) sees a
     CUDA device. The rollout backend's "auto" and the reference's placement follow it; an actor without a GPU of
-    its own would always see none."""
+    its own would always see none. A torch built for CPUs only sees none on any machine: that is read from its
+    version file, without importing torch (~2 s of CPU before Ray can start)."""
+    if torch_built_for_cpu_only():
+        return False
     import torch  # only when a fact depends on it: importing torch takes seconds
 
     return torch.cuda.is_available()
+
+
+def torch_built_for_cpu_only() -> bool:
+    """Whether the installed torch is a CPU-only build: its `torch/version.py` sets both `cuda` and `hip` to None
+    (then `torch.cuda.is_available()` is False). False when torch is imported already (it is asked then) or its
+    version file cannot be read as such."""
+    import ast
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if "torch" in sys.modules:
+        return False
+    try:
+        spec = importlib.util.find_spec("torch")
+        folders = list(spec.submodule_search_locations or []) if spec is not None else []
+        tree = ast.parse((Path(folders[0]) / "version.py").read_text())
+    except (ImportError, IndexError, OSError, SyntaxError, ValueError):
+        return False
+    values: dict[str, Any] = {}
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+            values[node.target.id] = node.value
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            values[node.targets[0].id] = node.value
+    return all(isinstance(values.get(name), ast.Constant) and values[name].value is None for name in ("cuda", "hip"))
 
 
 def samples_per_step(v: Mapping[str, Any]) -> int:
