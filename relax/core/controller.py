@@ -114,6 +114,7 @@ class Controller:
         # or SGLang for seconds), then TransferQueue starts while they import, and only then does the
         # controller wait for each role in turn. Nothing reads the data plane before its setup call.
         self._pg_actor, self._use_gpu, self._engine_key = pg_actor, use_gpu, engine_key
+        created = time.time()
         run.workers = self._create_trainers()
         # The rollout side (manager, engines, router) is independent of the trainer until the first weight push.
         # Colocated roles share devices, so on GPUs there the engines start after the trainer has taken its
@@ -132,21 +133,27 @@ class Controller:
         if engines_early:
             engines_ref = run.rollout.start_engines.remote(pg_rollout, weight_source=run.workers[0],
                                                            launched=self._launched_engines)
+        timeline.record("create the roles' actors", created, time.time(), cat="startup")
+        data_start = time.time()
                 # "packed" moves each sample as one record: 3-5x faster than one message part per field.
         run.data = DataPlane.start(c.num_data_storage_units, capacity_samples=c.data_queue_samples,
                                    polling_mode=c.polling_mode, layout="packed")
+        timeline.record("start the data plane", data_start, time.time(), cat="startup")
         if run.health is not None:  # actors without heartbeats of their own: probed instead
             run.health.watch_actors({**run.data.actors(), **({"metrics service": self.metrics_service}
                                                                if self.metrics_service is not None else {})})
-        self._setup_trainers()
-        run.aux = build_aux_roles(c, use_gpu=use_gpu, data_plane=run.data, launched=launched_aux)
+        with timeline.span("set up the trainer ranks", cat="startup"):
+            self._setup_trainers()
+        with timeline.span("set up the auxiliary roles", cat="startup"):
+            run.aux = build_aux_roles(c, use_gpu=use_gpu, data_plane=run.data, launched=launched_aux)
         run.stages = Stages(c, run.aux, trainers=run.trainers, trainer0=run.trainer0, bounded=run.bounded)
         engine_urls: list[str] = []
         if not c.debug_train_only:  # train-only debugging replays saved rollouts: no engines
             if engines_ref is None:
                 engines_ref = run.rollout.start_engines.remote(pg_rollout, weight_source=run.workers[0])
-            engine_urls = run.wait([run.rollout], [engines_ref], [Call("rollout", "engine and router start")],
-                                   None, "")[0]
+            with timeline.span("wait for the engines and router", cat="startup"):
+                engine_urls = run.wait([run.rollout], [engines_ref], [Call("rollout", "engine and router start")],
+                                       None, "")[0]
             logger.info("rollout: %d engine(s) behind %s", len(engine_urls),
                         run.rollout_call("router_url", "router address", None))
         run.metrics = MetricsWriter.from_config(c)

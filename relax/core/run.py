@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from relax.core.health_restart import Restarts
 from relax.core.preflight import preflight
 from relax.core.ray_cluster import start_ray
 from relax.models.embedded import build_embedded_assets
+from relax.observability import timeline
 
 logger = logging.getLogger("relax")
 trace_log = logging.getLogger("relax.trace")  # tracebacks: the run's log file only
@@ -66,10 +68,13 @@ class _ControllerImport:
         self._thread.start()
 
     def _load(self) -> None:
+        start = time.time()
         try:
             self._module = importlib.import_module(self.NAME)
         except BaseException as exc:  # handed to the main thread by module()
             self._error = exc
+        # --timeline-dump-dir is known by the import's end (prepare_run)
+        timeline.record("import the controller", start, time.time(), cat="startup")
 
     def module(self) -> Any:
         self._thread.join()
@@ -121,10 +126,13 @@ def run_controller(config: Config) -> int:
     earlier_children = {p.pid for p in descendants()}  # e.g. a test's servers: the shutdown leaves them alone
     controller = None
     started_ray = False
+    timeline.set_role("controller")  # this process's track in --timeline-dump-dir's trace, from its start-up on
     try:
-        started_ray = start_ray(config)
+        with timeline.span("start Ray", cat="startup"):
+            started_ray = start_ray(config)
         _install_signal_handlers()  # ray.init replaces the SIGTERM handler with its own sys.exit
-        Controller = controller_import.module().Controller
+        with timeline.span("wait for the controller's import", cat="startup"):
+            Controller = controller_import.module().Controller
         controller = Controller(config, earlier_children=earlier_children)
         controller.started_ray = started_ray
         controller.ctx.fault = fault_from_env()  # tests only: RELAX_TEST_TRAINER_FAULT (relax.health_faults)
