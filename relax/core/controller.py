@@ -20,6 +20,7 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from relax.wire.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
+from relax.wire.handles import DeferredHandle
 from relax.config.config import Config
 from relax.config.env import threads_per_process, worker_env
 from relax.config.support_gpu import flight_recorder_env
@@ -131,7 +132,9 @@ class Controller:
                                              runtime_env={"env_vars": {**worker_env(), **engine_key}}).remote(c)
         engines_ref = None
         if engines_early:
-            engines_ref = run.rollout.start_engines.remote(pg_rollout, weight_source=run.workers[0],
+            # trainer rank 0 deferred: the rollout manager would import the trainer's module (Megatron) to receive
+            # its handle, before starting the engines (relax.wire.handles)
+            engines_ref = run.rollout.start_engines.remote(pg_rollout, weight_source=DeferredHandle(run.workers[0]),
                                                            launched=self._launched_engines)
         timeline.record("create the roles' actors", created, time.time(), cat="startup")
         data_start = time.time()
@@ -150,7 +153,8 @@ class Controller:
         engine_urls: list[str] = []
         if not c.debug_train_only:  # train-only debugging replays saved rollouts: no engines
             if engines_ref is None:
-                engines_ref = run.rollout.start_engines.remote(pg_rollout, weight_source=run.workers[0])
+                engines_ref = run.rollout.start_engines.remote(pg_rollout,
+                                                               weight_source=DeferredHandle(run.workers[0]))
             with timeline.span("wait for the engines and router", cat="startup"):
                 engine_urls = run.wait([run.rollout], [engines_ref], [Call("rollout", "engine and router start")],
                                        None, "")[0]
