@@ -18,6 +18,8 @@ pytestmark = pytest.mark.usefixtures("megatron_process")
 
 BASE = dict(lr=1e-2, micro_batch_size=2, seed=5, clip_grad=1.0)
 LORA = LoraSettings(rank=4, alpha=8.0, seed=5)
+LORA_HEAD = LoraSettings(rank=4, alpha=8.0, seed=5, modules_to_save=("output_layer",))  # the LM head trains too
+BOTH = pytest.mark.parametrize("lora", [LORA, LORA_HEAD], ids=["adapters", "adapters+head"])
 RANDOM_MODEL = {"seed": 3}  # conftest's model_dir builds this random qwen2 model for the module
 
 
@@ -62,14 +64,16 @@ def test_one_step_changes_only_the_adapters(model_dir, samples):
     assert torch.equal(exported["model.embed_tokens.weight"], base["model.embed_tokens.weight"])
 
 
-def test_merged_export_gives_the_trainers_logprobs(model_dir, samples, tmp_path):
-    """The merged weights (what a push sends) in transformers give the trainer's log-probs."""
+@BOTH
+def test_merged_export_gives_the_trainers_logprobs(model_dir, samples, tmp_path, lora):
+    """The merged weights (what a push sends; with --lora-modules-to-save the trained head too) in transformers give
+    the trainer's log-probs."""
     import shutil
 
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    trainer = hf_trainer(model_dir, **BASE, lora=LORA)
+    trainer = hf_trainer(model_dir, **BASE, lora=lora)
     for _ in range(2):
         trainer.train_step(samples, toy_pg_loss)
     out = tmp_path / "merged"
@@ -81,25 +85,30 @@ def test_merged_export_gives_the_trainers_logprobs(model_dir, samples, tmp_path)
     assert max((a - b).abs().max().item() for a, b in zip(want, got)) < 1e-5
 
 
-def test_adapter_checkpoint_resumes_exactly(model_dir, samples, tmp_path):
+@BOTH
+def test_adapter_checkpoint_resumes_exactly(model_dir, samples, tmp_path, lora):
     from relax.backends.megatron.checkpoint import load_state_file
     from relax.formats.checkpoint_layout import rank_file
 
-    straight = hf_trainer(model_dir, **BASE, lora=LORA)
+    straight = hf_trainer(model_dir, **BASE, lora=lora)
     want = [straight.train_step(samples, toy_pg_loss) for _ in range(3)]
 
-    first = hf_trainer(model_dir, **BASE, lora=LORA)
+    first = hf_trainer(model_dir, **BASE, lora=lora)
     got = [first.train_step(samples, toy_pg_loss)]
     path = first.save_checkpoint(tmp_path / "ckpt")
     saved = load_state_file(path / rank_file(0))["model"]
-    assert saved and all(k.endswith((".lora_A", ".lora_B")) for k in saved)  # the adapters only
+    kept = {f"{module}.weight" for module in lora.modules_to_save}
+    assert kept <= set(saved)  # the adapters only, and the modules trained in full
+    assert saved and all(k in kept or k.endswith((".lora_A", ".lora_B")) for k in saved)
     del first
-    resumed = hf_trainer(model_dir, **BASE, lora=LORA)  # the base from the HF folder, as a run's start does
+    resumed = hf_trainer(model_dir, **BASE, lora=lora)  # the base from the HF folder, as a run's start does
     assert resumed.load_checkpoint(path) == 1
     got += [resumed.train_step(samples, toy_pg_loss) for _ in range(2)]
     assert got == want
     assert all(torch.equal(a, b) for a, b in zip(adapter_tensors(resumed.gpt_model).values(),
                                                   adapter_tensors(straight.gpt_model).values()))
+    for module in lora.modules_to_save:
+        assert torch.equal(getattr(resumed.gpt_model, module).weight, getattr(straight.gpt_model, module).weight)
 
 
 def test_lora_load_starts_from_saved_adapters(model_dir, samples, tmp_path):

@@ -2,15 +2,15 @@
 
 Why (docs/lora.md, "Learning on the embedded default"): with the head and the final norm frozen, no change of the
 transformer body can raise the embedded default's answer probability above ~0.3, so LoRA alone plateaus there.
-These tests: the head is in the optimizer and moves, the rest of the base stays bit for bit, the merged push and
-transformers give the trainer's log-probs, an adapter checkpoint keeps the head and resumes exactly; the flag and
-its refusals before Ray. relax/backends/megatron/lora.py, relax/config/rules_lora.py."""
+These tests: the head is in the optimizer and moves, the rest of the base stays bit for bit; the flag and its
+refusals before Ray. The merged push and the adapter checkpoint with the head: tests/test_lora.py (parametrized
+over adapters alone and adapters + head). relax/backends/megatron/lora.py, relax/config/rules_lora.py."""
 
 import pytest
 import torch
 
 from relax.backends.megatron.lora import LoraSettings, is_adapter_param, is_saved_module_param
-from relax.backends.megatron.testing import hf_response_logprobs, hf_trainer, toy_pg_loss, toy_samples
+from relax.backends.megatron.testing import hf_trainer, toy_pg_loss, toy_samples
 from relax.config import parse_config
 from relax.config.errors import ConfigError
 
@@ -46,44 +46,6 @@ def test_head_trains_beside_the_adapters_and_the_rest_stays(model_dir, samples):
     assert not torch.equal(exported["lm_head.weight"], base["lm_head.weight"])
     assert torch.equal(exported["model.embed_tokens.weight"], base["model.embed_tokens.weight"])
     assert torch.equal(exported["model.norm.weight"], base["model.norm.weight"])
-
-
-def test_merged_push_with_the_head_gives_the_trainers_logprobs(model_dir, samples, tmp_path):
-    import shutil
-
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
-    trainer = hf_trainer(model_dir, **BASE, lora=LORA_HEAD)
-    for _ in range(2):
-        trainer.train_step(samples, toy_pg_loss)
-    out = tmp_path / "merged"
-    shutil.copytree(model_dir, out)
-    save_file({n: t.contiguous() for n, t in trainer.export_hf_weights()}, str(out / "model.safetensors"))
-    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    want = trainer.compute_logprobs(samples)
-    got = hf_response_logprobs(hf, samples)
-    assert max((a - b).abs().max().item() for a, b in zip(want, got)) < 1e-5
-
-
-def test_checkpoint_keeps_the_head_and_resumes_exactly(model_dir, samples, tmp_path):
-    from relax.backends.megatron.checkpoint import load_state_file
-    from relax.formats.checkpoint_layout import rank_file
-
-    straight = hf_trainer(model_dir, **BASE, lora=LORA_HEAD)
-    want = [straight.train_step(samples, toy_pg_loss) for _ in range(3)]
-    first = hf_trainer(model_dir, **BASE, lora=LORA_HEAD)
-    got = [first.train_step(samples, toy_pg_loss)]
-    path = first.save_checkpoint(tmp_path / "ckpt")
-    saved = load_state_file(path / rank_file(0))["model"]
-    assert "output_layer.weight" in saved
-    assert all(k == "output_layer.weight" or k.endswith((".lora_A", ".lora_B")) for k in saved)
-    del first
-    resumed = hf_trainer(model_dir, **BASE, lora=LORA_HEAD)
-    assert resumed.load_checkpoint(path) == 1
-    got += [resumed.train_step(samples, toy_pg_loss) for _ in range(2)]
-    assert got == want
-    assert torch.equal(resumed.gpt_model.output_layer.weight, straight.gpt_model.output_layer.weight)
 
 
 CONFIG = ["--hf-checkpoint", "unused-model-dir", "--rollout-batch-size", "2", "--n-samples-per-prompt", "3",
