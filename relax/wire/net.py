@@ -21,11 +21,13 @@ import tempfile
 import threading
 import time
 import weakref
-from typing import IO, Callable, Mapping, Sequence
+from typing import IO, TYPE_CHECKING, Callable, Mapping, Sequence
 
-import requests
+if TYPE_CHECKING:
+    import requests
 
-from relax.config.redact import redact_command
+# requests and relax.config (redact_command) are imported where they are used: `python -m relax.wire.net
+# --watch-parent` starts the router's process, and ~0.3-0.5 s of CPU importing them came before it
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,8 @@ def wait_http_ok(
     `alive`, when given, is called between polls; if it returns False (e.g. the server process
     died) the wait stops at once with RuntimeError. Raises TimeoutError after `timeout_s`.
     """
+    import requests
+
     deadline = time.monotonic() + timeout_s
     last_error = "no attempt"
     while True:
@@ -124,6 +128,8 @@ class ManagedProcess:
         env = dict(os.environ)
         if self.env:
             env.update(self.env)
+        from relax.config.redact import redact_command
+
         logger.info("starting %s: %s (log %s)", self.name, " ".join(redact_command(self.cmd)), self.log_path)
         self.proc = subprocess.Popen(
             self.cmd,
