@@ -55,6 +55,9 @@ FOREIGN = {
     # SGLang's own server command (python -m sglang.launch_server), see docs/sglang-cpu.md
     "--device": "sglang.launch_server", "--dtype": "sglang.launch_server",
     "--max-total-tokens": "sglang.launch_server",
+    # its LoRA options, which Relax sets for adapter-only sync (docs/lora.md, relax.roles.engine.lora_server_args)
+    "--enable-lora": "sglang.launch_server", "--max-lora-rank": "sglang.launch_server",
+    "--max-loras-per-batch": "sglang.launch_server",
     # the placeholder in Relax's refusal message `not supported yet: --flag`
     "--flag": "placeholder",
 }

@@ -42,9 +42,47 @@ def test_adapter_only_sync_is_taken_on_the_embedded_engine():
     assert not adapter_sync(_config())
 
 
+def test_adapter_only_sync_to_real_sglang_launches_it_with_lora(tmp_path, monkeypatch):
+    """Real SGLang takes the adapter (tests/test_sglang_lora.py): its engines are launched with LoRA sized for the
+    run's rank and targets (HF names), the backend left to SGLang (torch_native on CPU, the server's default); the
+    --sglang-* flags win. On CPU a model whose MLP SGLang pads is refused with MLP targets."""
+    import json
+
+    from relax.backends.sglang.server import cpu_server_args
+    from relax.config import facts
+    from relax.config.rules_lora import adapter_sync
+    from relax.models.tiny import TinyArch, build_tiny_model_dir
+    from relax.roles.engine import lora_server_args
+
+    config = _config("--lora-rank", "8", "--rollout-backend", "sglang")
+    require_supported(config)
+    assert adapter_sync(config)
+    assert lora_server_args(config) == {
+        "enable_lora": True, "max_lora_rank": 8, "max_loras_per_batch": 2,
+        "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+    config = _config("--lora-rank", "4", "--rollout-backend", "sglang", "--lora-target-modules", "linear_proj")
+    assert lora_server_args(config)["lora_target_modules"] == ["o_proj"]
+    assert lora_server_args(_config("--lora-rank", "4", "--lora-merge-sync", "--rollout-backend", "sglang")) == {}
+    assert cpu_server_args({"enable_lora": True})["lora_backend"] == "torch_native"
+    assert cpu_server_args({"enable_lora": True, "lora_backend": "triton"})["lora_backend"] == "triton"
+    assert "lora_backend" not in cpu_server_args({})
+
+    model = build_tiny_model_dir(tmp_path / "m", TinyArch(intermediate_size=176))
+    monkeypatch.setattr(facts, "driver_has_gpu", lambda: False)
+    args = ["--hf-checkpoint", str(model), "--lora-rank", "8", "--rollout-backend", "sglang"]
+    with pytest.raises(ConfigError, match="SGLang pads its intermediate_size 176 to a multiple of 32"):
+        parse_config([*BASE[2:], *args])
+    parse_config([*BASE[2:], *args, "--lora-target-modules", "linear_qkv", "linear_proj"])
+    parse_config([*BASE[2:], *args, "--lora-merge-sync"])
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "intermediate_size": 192}))
+    parse_config([*BASE[2:], *args])
+
+
 @pytest.mark.parametrize("args, message", [
-    (["--lora-rank", "8", "--rollout-backend", "sglang"], "not supported yet: adapter-only sync (--lora-rank "
-     "without --lora-merge-sync) with real SGLang engines"),
+    (["--lora-rank", "8", "--rollout-backend", "sglang", "--check-weight-update-equal"],
+     "not supported yet: adapter-only sync (--lora-rank without --lora-merge-sync) with --rollout-backend sglang and "
+     "--check-weight-update-equal"),
     (["--lora-rank", "8", "--lora-load", "."], "adapter-only sync (--lora-rank without --lora-merge-sync) with "
                                                "--lora-load"),
     (["--lora-rank", "8", "--use-fault-tolerance"], "with --use-fault-tolerance / --autoscaler-config"),

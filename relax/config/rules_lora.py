@@ -3,7 +3,7 @@
 
 What is built (relax/backends/megatron/lora.py, docs/lora.md): adapters on the dense column- and row-parallel
 linears of Megatron-core's local layer spec, trained with a frozen base, synced to the engines as the adapter alone (the embedded
-engine, relax.backends.megatron.lora_sync) or as merged weights (--lora-merge-sync). Everything else a --lora-* combination would need is refused here, not silently ignored.
+engine or real SGLang, relax.backends.megatron.lora_sync) or as merged weights (--lora-merge-sync). Everything else a --lora-* combination would need is refused here, not silently ignored.
 """
 
 from __future__ import annotations
@@ -101,8 +101,8 @@ def check_combinations(v: dict, explicit) -> None:
 
 
 def _check_adapter_sync(v: dict) -> None:
-    """Adapter-only sync (relax.backends.megatron.lora_sync) where it can work: the embedded engine, with the engines
-    taking the adapter at every push. Each refusal names --lora-merge-sync, which works in every case below."""
+    """Adapter-only sync (relax.backends.megatron.lora_sync) where it can work: the embedded engine or real SGLang
+    (launched with LoRA, relax.roles.engine.lora_server_args), with the engines taking the adapter at every push. Each refusal names --lora-merge-sync, which works in every case below."""
     backend = v.get("rollout_backend")
     if backend == "auto":
         from relax.config.sglang import resolve_backend
@@ -111,8 +111,9 @@ def _check_adapter_sync(v: dict) -> None:
     why = None
     if v.get("lora_modules_to_save"):
         why = "--lora-modules-to-save: the engines would need the trained module beside the adapter"
-    elif backend == "sglang":
-        why = "real SGLang engines (--rollout-backend sglang) are not launched with LoRA yet"
+    elif backend == "sglang" and v.get("check_weight_update_equal"):
+        why = ("--rollout-backend sglang and --check-weight-update-equal: SGLang's /load_lora_adapter reports no "
+               "checksum of what it loaded (the embedded engine's does), so the adapter cannot be compared")
     elif v.get("lora_load"):
         why = "--lora-load: the engines would serve the base until the first push"
     elif v.get("pretrained_checkpoint") or v.get("finetune") or v.get("start_rollout_id") is not None:
@@ -128,6 +129,39 @@ def _check_adapter_sync(v: dict) -> None:
     if why:
         raise ConfigError(f"not supported yet: adapter-only sync (--lora-rank without --lora-merge-sync) with {why}; "
                           "add --lora-merge-sync (the engines then receive merged weights)")
+
+
+def check_sglang_cpu_mlp(v: dict, explicit) -> None:
+    """Adapter-only sync to real SGLang on CPU with MLP targets: SGLang (0.5.23) pads the MLP's intermediate size to
+    a multiple of 32 x TP on CPU, and its LoRA buffers take the padded size, so an adapter of the model's own size
+    fails to load into them at the first request naming it (an AssertionError in the engine's scheduler, which
+    exits). Refused before Ray for such a model; reads config.json only."""
+    if not adapter_sync(v) or not {"linear_fc1", "linear_fc2"} & set(lora_targets(v)):
+        return
+    backend = v.get("rollout_backend")
+    if backend == "auto":
+        from relax.config.sglang import resolve_backend
+
+        backend = resolve_backend(backend)
+    if backend != "sglang" or not v.get("hf_checkpoint"):
+        return
+    from relax.config.facts import driver_has_gpu
+
+    if driver_has_gpu():
+        return
+    import json
+
+    config_json = Path(v["hf_checkpoint"]) / "config.json"
+    if not config_json.is_file():
+        return
+    hf = json.loads(config_json.read_text())
+    size = hf.get("intermediate_size") or (hf.get("text_config") or {}).get("intermediate_size")
+    pad = 32 * (v.get("rollout_num_gpus_per_engine") or 1)
+    if isinstance(size, int) and size % pad:
+        raise ConfigError(f"not supported yet: adapter-only sync (--lora-rank without --lora-merge-sync) to real SGLang "
+                          f"on CPU with MLP targets for this model: SGLang pads its intermediate_size {size} to a "
+                          f"multiple of {pad} on CPU and its LoRA buffers then do not fit the adapter; add "
+                          "--lora-merge-sync, or use --lora-target-modules linear_qkv linear_proj")
 
 
 def _driver_has_gpu() -> bool:
@@ -153,4 +187,4 @@ def check_moe_model(v: dict, explicit) -> None:
                           "--lora-target-modules linear_qkv linear_proj")
 
 
-RULES: tuple = (check_values, check_combinations, check_moe_model)
+RULES: tuple = (check_values, check_combinations, check_moe_model, check_sglang_cpu_mlp)

@@ -53,6 +53,24 @@ def engine_server_args(config: Any, backend: str) -> dict[str, Any]:
     return args
 
 
+# Megatron's linears (--lora-target-modules) -> the HF projections SGLang's --lora-target-modules names
+HF_LORA_TARGETS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+                   "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+
+
+def lora_server_args(config: Any) -> dict[str, Any]:
+    """SGLang's LoRA options for adapter-only sync (--lora-rank without --lora-merge-sync,
+    relax.backends.megatron.lora_sync): LoRA enabled, its buffers sized for the run's rank and targets. The backend is
+    SGLang's default on a GPU and torch_native on CPU (relax.backends.sglang.server.cpu_server_args);
+    SGLang's own LoRA options given as --sglang-<option> flags win. Empty without adapter-only sync."""
+    from relax.config.rules_lora import adapter_sync, lora_targets
+
+    if not adapter_sync(config):
+        return {}
+    return {"enable_lora": True, "max_lora_rank": int(config.lora_rank), "max_loras_per_batch": 2,
+            "lora_target_modules": [m for t in lora_targets(config) for m in HF_LORA_TARGETS[t]]}
+
+
 def engine_actor(backend: str, model_path: str, server_args: dict[str, Any], gpus_per_engine: int,
                  log_dir: str, engine_id: int, placement: Any = None) -> Any:
     """Engine `engine_id`'s actor (its server not started yet), on `placement` = (placement group, bundle
@@ -69,8 +87,10 @@ def engine_actor(backend: str, model_path: str, server_args: dict[str, Any], gpu
 
 def rollout_engine_actor(config: Any, engine_id: int, placement: Any = None) -> Any:
     """One of the run's rollout engines (--hf-checkpoint on --rollout-backend, logs in the run's folder)."""
-    return engine_actor(config.rollout_backend, config.hf_checkpoint,
-                        engine_server_args(config, config.rollout_backend), config.rollout_num_gpus_per_engine,
+    args = engine_server_args(config, config.rollout_backend)
+    if config.rollout_backend == "sglang":
+        args = {**lora_server_args(config), **args}  # the --sglang-* flags win
+    return engine_actor(config.rollout_backend, config.hf_checkpoint, args, config.rollout_num_gpus_per_engine,
                         os.path.join(config.output_dir, "logs"), engine_id, placement)
 
 

@@ -1,10 +1,13 @@
 """Adapter-only weight sync: a LoRA trainer pushes its adapter, not the model, to engines that serve LoRA through
-SGLang's endpoints (the embedded engine: relax/backends/embedded/lora.py).
+SGLang's endpoints (the embedded engine: relax/backends/embedded/lora.py; real SGLang launched with LoRA:
+relax.roles.engine.lora_server_args).
 
 A push writes the adapter in PEFT's format (relax.backends.megatron.lora_peft, what --save-hf writes) to a folder
 the engines read, then on each engine unloads the previous adapter of that name, loads the new one
 (`/load_lora_adapter`, as SGLang takes an adapter from disk) and sets the weight version. The engine answers
 with the checksum of what it loaded; a push whose checksum differs from the sender's raises, naming the engine.
+Real SGLang answers no checksum: there the push checks that it lists the adapter under its name from the folder
+just written (and --check-weight-update-equal is refused before Ray).
 The bytes moved are the adapter's, about 2 x r x (in + out) per adapted linear: proportional to the rank.
 
 In a run (`--lora-rank` without `--lora-merge-sync`), the trainer role's push calls `push_for_config` instead of
@@ -47,6 +50,21 @@ def module_checksums(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, flo
     return sums
 
 
+def _unload(client: Any, url: str, name: str) -> None:
+    """Unload adapter `name` where it is loaded. The embedded engine answers success either way; real SGLang answers
+    HTTP 400 "LoRA with name ... does not exist" when it is not loaded (the first push), which is fine."""
+    from relax.wire.engine_client import EngineRequestError
+
+    try:
+        res = client._post("/unload_lora_adapter", {"lora_name": name})
+    except EngineRequestError as exc:
+        if exc.status == 400 and "does not exist" in str(exc):
+            return
+        raise
+    if name in (res.get("loaded_adapters") or {}):
+        raise RuntimeError(f"engine {url}: adapter {name!r} is still loaded after /unload_lora_adapter")
+
+
 def push_for_config(trainer: Any, engine_urls: Sequence[str], version: int, config: Any) -> dict[str, Any]:
     """`push_adapter` with the run's settings: the adapter folder under --output-dir (only the last version is
     kept), --weight-update-timeout and --check-weight-update-equal."""
@@ -68,7 +86,7 @@ def push_adapter(trainer: Any, engine_urls: Sequence[str], folder: str | Path, v
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from relax.wire.engine_client import EngineClient
+    from relax.wire.engine_client import EngineClient, EngineRequestError
     from relax.backends.megatron.lora_peft import ADAPTER_FILE, peft_snapshot, write_config
 
     t0 = time.perf_counter()
@@ -86,12 +104,23 @@ def push_adapter(trainer: Any, engine_urls: Sequence[str], folder: str | Path, v
     for url in engine_urls:
         client = EngineClient(url, timeout_s=timeout_s)
         try:
-            if name in client._post("/unload_lora_adapter", {"lora_name": name}).get("loaded_adapters", {}):
-                raise RuntimeError(f"engine {url}: adapter {name!r} is still loaded after /unload_lora_adapter")
-            res = client._post("/load_lora_adapter", {"lora_name": name, "lora_path": str(out)})
+            _unload(client, url, name)
+            try:
+                res = client._post("/load_lora_adapter", {"lora_name": name, "lora_path": str(out)})
+            except EngineRequestError as exc:  # SGLang answers a failed load with HTTP 400
+                raise RuntimeError(f"engine {url}: /load_lora_adapter failed: {exc}") from None
             if not res.get("success"):
                 raise RuntimeError(f"engine {url}: /load_lora_adapter failed: {res.get('error_message')}")
-            if abs(float(res["checksum"]) - checksum) > 1e-9 * max(1.0, checksum):
+            if "checksum" not in res:
+                # real SGLang: no checksum in its answer; it must list the adapter under `name`, from this folder
+                ref = (res.get("loaded_adapters") or {}).get(name)
+                path = ref.get("lora_path") if isinstance(ref, dict) else ref
+                if path != str(out):
+                    raise RuntimeError(f"engine {url}: adapter {name!r} serves {path!r} after loading {str(out)!r}")
+                if check_equal:
+                    raise RuntimeError(f"engine {url}: --check-weight-update-equal needs the engine's checksums of "
+                                       "the adapter (the embedded engine's); SGLang does not report them")
+            elif abs(float(res["checksum"]) - checksum) > 1e-9 * max(1.0, checksum):
                 raise RuntimeError(f"engine {url}: loaded adapter checksum {res['checksum']} != sent {checksum}")
             got = res.get("module_checksums") or {}
             bad = [m for m, want in sums.items() if m not in got or abs(float(got[m]) - want) > 1e-9 * max(1.0, want)]

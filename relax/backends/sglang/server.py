@@ -33,6 +33,9 @@ _RESERVED = {"model_path", "host", "port", "tp_size", "tp", "api_key"}
 SGLANG_PYTHON_ENV = "RELAX_SGLANG_PYTHON"
 CPU_SHIMS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_shims")
 CPU_DEFAULTS: dict[str, Any] = {"device": "cpu", "dtype": "float32", "max_total_tokens": 16384}
+# SGLang's LoRA backend on CPU: the others (triton, csgmv, triton_v2, uno_cublas, ascend) launch GPU kernels
+CPU_LORA_BACKEND = "torch_native"
+NO_PIN_MEMORY_ENV = "RELAX_SGLANG_NO_PIN_MEMORY"
 BIND_FAILED = "address already in use"  # uvicorn's error when the server's port is taken
 
 
@@ -62,6 +65,8 @@ def cpu_server_args(server_args: Mapping[str, Any] | None) -> dict[str, Any]:
     """`server_args` with the CPU defaults filled in (given values win)."""
     out = dict(CPU_DEFAULTS)
     out.update(server_args or {})
+    if out.get("enable_lora") and not out.get("lora_backend"):
+        out["lora_backend"] = CPU_LORA_BACKEND
     return out
 
 
@@ -149,6 +154,8 @@ class SGLangServerProcess(ManagedProcess):
         self.server_args = cpu_server_args(server_args) if self.on_cpu else dict(server_args or {})
         if self.on_cpu:
             env = cpu_env(env)
+            if self.server_args.get("enable_lora"):  # cpu_shims/sitecustomize.py: SGLang's LoRA pins memory
+                env.setdefault(NO_PIN_MEMORY_ENV, "1")
         self.python = sglang_python(python)
         cmd = build_sglang_command(self.model_path, host, self.port, self.tp_size, self.server_args, python=self.python)
         # SGLang takes its key only as --api-key; it then requires it on every endpoint but /health*.

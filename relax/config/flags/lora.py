@@ -34,4 +34,4 @@ def add_flags(parser):
     g.add_argument("--lora-merge-sync", action="store_true", default=LORA_DEFAULTS["lora_merge_sync"],
                    help="Push merged weights (W + alpha / r * B @ A) to the engines through the normal weight "
                         "push, so the engines need no LoRA support. Without it each push moves only the adapter "
-                        "(the embedded engine; real SGLang engines need this flag for now).")
+                        "(the embedded engine, or real SGLang launched with LoRA; docs/lora.md).")
