@@ -2,8 +2,9 @@
 (values, explicit) -> None raising ConfigError that names the flags and the fix.
 
 What is built (relax/backends/megatron/lora.py, docs/lora.md): adapters on the dense column- and row-parallel
-linears of Megatron-core's local layer spec, trained with a frozen base, synced to the engines as the adapter alone (the embedded
-engine or real SGLang, relax.backends.megatron.lora_sync) or as merged weights (--lora-merge-sync). Everything else a --lora-* combination would need is refused here, not silently ignored.
+linears of Megatron-core's local layer spec, trained with a frozen base, synced to the engines as the adapter
+alone (the embedded engine or real SGLang, relax.backends.megatron.lora_sync) or as merged weights
+(--lora-merge-sync). Everything else a --lora-* combination would need is refused here, not silently ignored.
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ def check_combinations(v: dict, explicit) -> None:
 
 def _check_adapter_sync(v: dict) -> None:
     """Adapter-only sync (relax.backends.megatron.lora_sync) where it can work: the embedded engine or real SGLang
-    (launched with LoRA, relax.roles.engine.lora_server_args), with the engines taking the adapter at every push. Each refusal names --lora-merge-sync, which works in every case below."""
+    (launched with LoRA, relax.roles.engine.lora_server_args), with the engines taking the adapter at every push.
+    Each refusal names --lora-merge-sync, which works in every case below."""
     backend = v.get("rollout_backend")
     if backend == "auto":
         from relax.config.sglang import resolve_backend
@@ -158,9 +160,9 @@ def check_sglang_cpu_mlp(v: dict, explicit) -> None:
     size = hf.get("intermediate_size") or (hf.get("text_config") or {}).get("intermediate_size")
     pad = 32 * (v.get("rollout_num_gpus_per_engine") or 1)
     if isinstance(size, int) and size % pad:
-        raise ConfigError(f"not supported yet: adapter-only sync (--lora-rank without --lora-merge-sync) to real SGLang "
-                          f"on CPU with MLP targets for this model: SGLang pads its intermediate_size {size} to a "
-                          f"multiple of {pad} on CPU and its LoRA buffers then do not fit the adapter; add "
+        raise ConfigError("not supported yet: adapter-only sync (--lora-rank without --lora-merge-sync) to real "
+                          f"SGLang on CPU with MLP targets for this model: SGLang pads its intermediate_size {size} "
+                          f"to a multiple of {pad} on CPU and its LoRA buffers then do not fit the adapter; add "
                           "--lora-merge-sync, or use --lora-target-modules linear_qkv linear_proj")
 
 
