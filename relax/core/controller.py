@@ -248,6 +248,9 @@ class Controller:
         self._resume(load, load, engine_urls)
         # the pool's record of the engines' weights: the checkpoint's, as pushed
         run.rollout_call("weights_pushed", "weight version", None, run.start_step, engine_urls)
+        # an engine that joins from now on (a replacement, the autoscaler's) takes its weights from the new rank 0:
+        # the pool still holds the killed one's handle
+        run.rollout_call("set_weight_source", "the engines' weight source", None, DeferredHandle(run.workers[0]))
         run.colocate = ColocateProtocol(config, run.workers, run.rollout)
 
     # ------------------------------------------------------------------ the loop
