@@ -42,12 +42,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SEEDS = (1234, 4321, 777, 5555, 1, 2, 3, 42)
 
 
-_LORA_GROUPS = {  # Megatron's fused linears -> the HF modules they cover (one A per fused linear, as Relax's)
-    "linear_qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")),
-    "linear_proj": ("self_attn", ("o_proj",)),
-    "linear_fc1": ("mlp", ("gate_proj", "up_proj")),
-    "linear_fc2": ("mlp", ("down_proj",)),
-}
+def _lora_group(target: str) -> tuple[str, list[str]]:
+    """(parent module, HF modules) a Megatron fused linear covers in the embedded qwen2 model, by Relax's own naming
+    rule (relax.formats.hf_names): one A per fused linear, as Relax's."""
+    from relax.formats.hf_names import LORA_TARGET_SUFFIX, layer_hf_names
+
+    _, names = layer_hf_names(0, LORA_TARGET_SUFFIX[target] + ".weight")  # model.layers.0.<parent>.<module>.weight
+    return names[0].split(".")[3], [n.split(".")[4] for n in names]
+
+
 _NORM_NAMES = ("input_layernorm", "post_attention_layernorm", "model.norm")
 
 
@@ -63,7 +66,7 @@ def _add_lora(a, model, seed: int) -> list:
     params = []
     for li, layer in enumerate(model.model.layers):
         for target in a.lora_targets.split(","):
-            parent_name, names = _LORA_GROUPS[target]
+            parent_name, names = _lora_group(target)
             parent = getattr(layer, parent_name)
             mods = [getattr(parent, n) for n in names]
             fan_in = mods[0].in_features

@@ -42,6 +42,26 @@ def test_adapter_only_sync_is_taken_on_the_embedded_engine():
     assert not adapter_sync(_config())
 
 
+def test_sglang_target_modules_are_the_models_own_projection_names():
+    """SGLang's --lora-target-modules name the HF projections of the model itself, by the naming rule the weight
+    conversion uses (relax.formats.hf_names): GLM4's fused gate_up_proj, no gate_proj in a non-gated MLP."""
+    import dataclasses
+
+    from relax.config.rules_arch import _embedded_arch
+    from relax.formats.hf_names import lora_hf_modules
+
+    arch = _embedded_arch()
+    mlp = ["linear_fc1", "linear_fc2"]
+    assert lora_hf_modules(arch, ["linear_qkv", "linear_proj", *mlp]) == [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    glm4 = dataclasses.replace(arch, hf_family="glm4", rotary_interleaved=True, rotary_percent=0.5,
+                               post_self_attn_layernorm=True, post_mlp_layernorm=True)
+    assert lora_hf_modules(glm4, mlp) == ["gate_up_proj", "down_proj"]
+    nemotron = dataclasses.replace(arch, hf_family="nemotron", swiglu=False, squared_relu=True,
+                                   layernorm_zero_centered_gamma=True, normalization="LayerNorm")
+    assert lora_hf_modules(nemotron, mlp) == ["up_proj", "down_proj"]
+
+
 def test_adapter_only_sync_to_real_sglang_launches_it_with_lora(tmp_path, monkeypatch):
     """Real SGLang takes the adapter (tests/test_sglang_lora.py): its engines are launched with LoRA sized for the
     run's rank and targets (HF names), the backend left to SGLang (torch_native on CPU, the server's default); the

@@ -53,22 +53,21 @@ def engine_server_args(config: Any, backend: str) -> dict[str, Any]:
     return args
 
 
-# Megatron's linears (--lora-target-modules) -> the HF projections SGLang's --lora-target-modules names
-HF_LORA_TARGETS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
-                   "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
-
-
 def lora_server_args(config: Any) -> dict[str, Any]:
     """SGLang's LoRA options for adapter-only sync (--lora-rank without --lora-merge-sync,
     relax.backends.megatron.lora_sync): LoRA enabled, its buffers sized for the run's rank and targets. The backend is
     SGLang's default on a GPU and torch_native on CPU (relax.backends.sglang.server.cpu_server_args);
     SGLang's own LoRA options given as --sglang-<option> flags win. Empty without adapter-only sync."""
+    from relax.config.rules_arch import hf_arch
     from relax.config.rules_lora import adapter_sync, lora_targets
+    from relax.formats.hf_names import lora_hf_modules
 
     if not adapter_sync(config):
         return {}
+    # the HF names of the model's own projections (GLM4's gate_up_proj, no gate_proj without --swiglu)
+    modules = lora_hf_modules(hf_arch(config), lora_targets(config))
     return {"enable_lora": True, "max_lora_rank": int(config.lora_rank), "max_loras_per_batch": 2,
-            "lora_target_modules": [m for t in lora_targets(config) for m in HF_LORA_TARGETS[t]]}
+            "lora_target_modules": modules}
 
 
 def engine_actor(backend: str, model_path: str, server_args: dict[str, Any], gpus_per_engine: int,

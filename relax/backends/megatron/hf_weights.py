@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
+from relax.formats.hf_names import layer_hf_names
 from relax.formats.model_arch import ModelArch
 from relax.backends.megatron.lora import merged_weight
 
@@ -93,57 +94,6 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- #
 
 
-def _layer_hf_names(layer: int, suffix: str, gate_up: bool = False, gated: bool = True
-                    ) -> Optional[tuple[str, list[str]]]:
-    """(kind, HF names) for a Megatron parameter suffix inside layer `layer`; `gate_up`: the HF model holds the
-    MLP's gate and up projections as one tensor (GLM4's gate_up_proj, gate rows first); `gated` False: the MLP has
-    no gate (Nemotron's up_proj -> relu^2 -> down_proj).
-
-    kind is one of "copy", "qkv", "fc1" (HF gate and up tensors), "gate_up" (one HF tensor, [gate; up]).
-    """
-    p = f"model.layers.{layer}."
-    attn = p + "self_attn."
-    if suffix in ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"):
-        return "copy", [p + "input_layernorm.weight"]
-    if suffix in ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"):
-        return "copy", [p + "post_attention_layernorm.weight"]
-    # LayerNorm biases (Nemotron); Transformer Engine fuses the norm into the next linear layer
-    if suffix in ("input_layernorm.bias", "self_attention.linear_qkv.layer_norm_bias"):
-        return "copy", [p + "input_layernorm.bias"]
-    if suffix in ("pre_mlp_layernorm.bias", "mlp.linear_fc1.layer_norm_bias"):
-        return "copy", [p + "post_attention_layernorm.bias"]
-    if suffix == "self_attention.linear_qkv.weight":
-        return "qkv", [attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"]
-    if suffix == "self_attention.linear_qkv.bias":
-        return "qkv", [attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"]
-    if suffix == "self_attention.q_layernorm.weight":
-        return "copy", [attn + "q_norm.weight"]
-    if suffix == "self_attention.k_layernorm.weight":
-        return "copy", [attn + "k_norm.weight"]
-    if suffix == "self_attention.linear_proj.weight":
-        return "copy", [attn + "o_proj.weight"]
-    if suffix == "mlp.linear_fc1.weight":
-        if gate_up:
-            return "gate_up", [p + "mlp.gate_up_proj.weight"]
-        if not gated:
-            return "copy", [p + "mlp.up_proj.weight"]
-        return "fc1", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
-    if suffix == "mlp.linear_fc2.weight":
-        return "copy", [p + "mlp.down_proj.weight"]
-    if suffix in ("post_self_attn_layernorm.weight", "post_mlp_layernorm.weight"):  # GLM4
-        return "copy", [p + suffix]
-    if suffix == "mlp.router.weight":
-        return "copy", [p + "mlp.gate.weight"]
-    # Qwen2-MoE's shared expert (megatron-core's SharedExpertMLP: a TP-split MLP plus an unsplit gate [1, hidden])
-    if suffix == "mlp.shared_experts.linear_fc1.weight":
-        return "fc1", [p + "mlp.shared_expert.gate_proj.weight", p + "mlp.shared_expert.up_proj.weight"]
-    if suffix == "mlp.shared_experts.linear_fc2.weight":
-        return "copy", [p + "mlp.shared_expert.down_proj.weight"]
-    if suffix == "mlp.shared_experts.gate_weight":
-        return "copy", [p + "mlp.shared_expert_gate.weight"]
-    return None
-
-
 def _expert_hf_names(layer: int, expert: int, suffix: str) -> Optional[tuple[str, list[str]]]:
     e = f"model.layers.{layer}.mlp.experts.{expert}."
     if suffix == "linear_fc1.weight":
@@ -198,7 +148,7 @@ def _param_infos(model: torch.nn.Module, arch: ModelArch) -> list[_ParamInfo]:
             mapped = _expert_hf_names(layer, global_expert, expert.group(2))
             expert_key = (layer, local_expert, expert.group(2))
         else:
-            mapped = _layer_hf_names(layer, suffix, gate_up=arch.hf_family == "glm4", gated=arch.swiglu)
+            mapped = layer_hf_names(layer, suffix, arch)
         if mapped is None:
             raise KeyError(f"no HF counterpart for Megatron parameter {name!r}")
         infos.append(

@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
+from relax.formats.hf_names import layer_hf_names
 from relax.formats.model_arch import ModelArch
-from relax.backends.megatron.hf_weights import _layer_hf_names, fuse_qkv, split_qkv
+from relax.backends.megatron.hf_weights import fuse_qkv, split_qkv
 from relax.backends.megatron.lora import adapter_tensors
 
 __all__ = ["peft_tensors", "peft_config", "ADAPTER_FILE", "CONFIG_FILE", "load_peft_state"]
@@ -28,7 +29,7 @@ _PREFIX = "base_model.model."  # PeftModel's prefix of the HF model's names
 
 def _hf_modules(arch: ModelArch, layer: int, suffix: str) -> tuple[str, list[str]]:
     """(kind, HF module names) of a Megatron linear (suffix like "self_attention.linear_qkv")."""
-    kind, names = _layer_hf_names(layer, suffix + ".weight", gate_up=arch.hf_family == "glm4", gated=arch.swiglu)
+    kind, names = layer_hf_names(layer, suffix + ".weight", arch)
     return kind, [n.removesuffix(".weight") for n in names]
 
 
