@@ -16,7 +16,7 @@ from relax.wire.auth import auth_headers, engine_api_key
 from relax.wire.engine_client import EngineClient
 from relax.config import ConfigError, parse_config
 from relax.config.autoscaler import AutoscalerConfig, ScaleInPolicy, ScaleOutPolicy, load_autoscaler_config
-from relax.rollout.autoscaler import Autoscaler, LoadSample, decide, sample_from_metrics
+from relax.rollout.autoscaler import Autoscaler, LoadSample, decide, histogram_intervals, sample_from_metrics
 from test_engine_pool import Router, WeightSource, make_pool, perturbed_weights
 
 
@@ -84,17 +84,21 @@ def test_a_slow_first_token_across_the_pool_scales_out():
     # engine alone, and not the counts since each engine started.
     before = [_ttft({"0.5": 100, "2": 100, "8": 100, "+Inf": 100}), _ttft({"0.5": 5, "2": 5, "8": 5, "+Inf": 5})]
     after = [_ttft({"0.5": 110, "2": 110, "8": 110, "+Inf": 110}), _ttft({"0.5": 5, "2": 5, "8": 15, "+Inf": 15})]
-    sample = sample_from_metrics(10.0, after, [1.0, 1.0], before)
-    assert sample.ttft_p95 == pytest.approx(2 + 6 * 9 / 10) and sample.queue_time_p95 is None
-    assert sample_from_metrics(10.0, after, [1.0, 1.0]).ttft_p95 is None  # no earlier scrape: no interval
+
+    def sample(now, then):
+        return sample_from_metrics(10.0, now, [1.0, 1.0], [histogram_intervals(m, b) for m, b in zip(now, then)])
+
+    slow = sample(after, before)
+    assert slow.ttft_p95 == pytest.approx(2 + 6 * 9 / 10) and slow.queue_time_p95 is None
+    assert sample(after, [None, None]).ttft_p95 is None  # no earlier scrape: no interval
     # engine 1's counts went down (it restarted): its interval is unknown, engine 0's 10 fast requests remain
     restarted = [after[0], _ttft({"0.5": 1, "2": 1, "8": 1, "+Inf": 1})]
-    assert sample_from_metrics(10.0, restarted, [1.0, 1.0], before).ttft_p95 == pytest.approx(0.5 * 0.95)
+    assert sample(restarted, before).ttft_p95 == pytest.approx(0.5 * 0.95)
 
     cfg = AutoscalerConfig(max_engines=3, scale_out_policy=ScaleOutPolicy(condition_duration_secs=2,
                                                                           ttft_p95_threshold=5.0))
     window = [LoadSample(time=8.0 + i, engines=2, token_usage=0.1, queue_per_engine=0.0, throughput=1.0,
-                         ttft_p95=sample.ttft_p95) for i in range(3)]
+                         ttft_p95=slow.ttft_p95) for i in range(3)]
     d = decide(cfg, window, 2, 10.0, float("-inf"), float("-inf"))
     assert d.action == "scale_out" and "time to first token" in d.reason, d
 

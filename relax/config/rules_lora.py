@@ -105,11 +105,7 @@ def _check_adapter_sync(v: dict) -> None:
     """Adapter-only sync (relax.backends.megatron.lora_sync) where it can work: the embedded engine or real SGLang
     (launched with LoRA, relax.roles.engine.lora_server_args), with the engines taking the adapter at every push.
     Each refusal names --lora-merge-sync, which works in every case below."""
-    backend = v.get("rollout_backend")
-    if backend == "auto":
-        from relax.config.sglang import resolve_backend
-
-        backend = resolve_backend(backend)
+    backend = _rollout_backend(v)
     why = None
     if v.get("lora_modules_to_save"):
         why = "--lora-modules-to-save: the engines would need the trained module beside the adapter"
@@ -140,12 +136,7 @@ def check_sglang_cpu_mlp(v: dict, explicit) -> None:
     exits). Refused before Ray for such a model; reads config.json only."""
     if not adapter_sync(v) or not {"linear_fc1", "linear_fc2"} & set(lora_targets(v)):
         return
-    backend = v.get("rollout_backend")
-    if backend == "auto":
-        from relax.config.sglang import resolve_backend
-
-        backend = resolve_backend(backend)
-    if backend != "sglang" or not v.get("hf_checkpoint"):
+    if _rollout_backend(v) != "sglang" or not v.get("hf_checkpoint"):
         return
     from relax.config.facts import driver_has_gpu
 
@@ -164,6 +155,16 @@ def check_sglang_cpu_mlp(v: dict, explicit) -> None:
                           f"SGLang on CPU with MLP targets for this model: SGLang pads its intermediate_size {size} "
                           f"to a multiple of {pad} on CPU and its LoRA buffers then do not fit the adapter; add "
                           "--lora-merge-sync, or use --lora-target-modules linear_qkv linear_proj")
+
+
+def _rollout_backend(v: dict) -> str:
+    """--rollout-backend with "auto" resolved as validation's derive step will (these rules run before it)."""
+    backend = v.get("rollout_backend")
+    if backend == "auto":
+        from relax.config.sglang import resolve_backend
+
+        backend = resolve_backend(backend)
+    return backend
 
 
 def _driver_has_gpu() -> bool:

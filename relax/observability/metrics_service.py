@@ -52,6 +52,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from relax.wire.auth import ENGINE_API_KEY_ENV, engine_api_key
+from relax.observability.autoscaler_status import finite
 from relax.observability.metrics import summarise
 from relax.observability.metrics_client import (
     SERVICE_NAME,
@@ -282,7 +283,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _json(self, obj: Any) -> None:
         # NaN/Infinity are not JSON: sent as null so that every client can parse the answer
-        self._send(200, json.dumps(_finite(obj)), "application/json")
+        self._send(200, json.dumps(finite(obj)), "application/json")
 
     def _send(self, status: int, body: str, content_type: str) -> None:
         data = body.encode("utf-8")
@@ -303,16 +304,6 @@ def _int_param(query: dict[str, list[str]], name: str) -> int | None:
         return int(query[name][-1])
     except ValueError:
         raise ValueError(f"{name} must be an integer, got {query[name][-1]!r}") from None
-
-
-def _finite(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 def bind_host() -> str:

@@ -51,7 +51,7 @@ from typing import Any, Callable, Optional
 
 from relax.wire.auth import engine_api_key
 from relax.config.autoscaler import AutoscalerConfig
-from relax.observability.autoscaler_status import STATUS_FILE, finite, write_status
+from relax.observability.autoscaler_status import STATUS_FILE, write_status
 from relax.observability.metrics_client import scrape_engine_metrics, split_metric_key
 
 logger = logging.getLogger(__name__)
@@ -141,54 +141,55 @@ def histogram_quantile(q: float, buckets: dict[float, float]) -> Optional[float]
     return lower
 
 
-def _interval_buckets(metrics: dict[str, float], before: Optional[dict[str, float]],
-                      name: str) -> Optional[dict[float, float]]:
-    """Histogram `name`'s cumulative bucket counts of the observations between the scrape `before` and
-    `metrics`; None when the engine does not export it, there is no earlier scrape, or its counts went down (the
-    engine restarted)."""
-    now = _buckets(metrics, name)
-    then = _buckets(before or {}, name)
-    if not now or not then:
-        return None
-    delta = {le: count - then.get(le, 0.0) for le, count in now.items()}
-    return None if any(d < 0 for d in delta.values()) else delta
+def histogram_intervals(metrics: dict[str, float], before: Optional[dict[str, float]]
+                        ) -> dict[str, Optional[dict[float, float]]]:
+    """For each of STATUS_HISTOGRAMS the engine exports: its cumulative bucket counts of the observations between
+    the scrape `before` and `metrics`; None when there is no earlier scrape or its counts went down (the engine
+    restarted)."""
+    out: dict[str, Optional[dict[float, float]]] = {}
+    for name in STATUS_HISTOGRAMS:
+        now = _buckets(metrics, name)
+        if not now:
+            continue
+        then = _buckets(before or {}, name)
+        delta = {le: count - then.get(le, 0.0) for le, count in now.items()}
+        out[name] = None if not then or any(d < 0 for d in delta.values()) else delta
+    return out
 
 
-def engine_status_metrics(metrics: dict[str, float], before: Optional[dict[str, float]],
+def engine_status_metrics(metrics: dict[str, float], intervals: dict[str, Optional[dict[float, float]]],
                           rate: Optional[float]) -> dict[str, Optional[float]]:
     """One engine's metrics for the status: the gauges it exports, its generated tokens/s (`rate`, from the
-    ThroughputMeter) and the p95 of each histogram over the observations since the scrape `before` (None when
-    there is no earlier scrape, or no request finished in between)."""
+    ThroughputMeter) and the p95 of each histogram over its `intervals` (`histogram_intervals`; None when there is
+    no earlier scrape, or no request finished in between)."""
     out: dict[str, Optional[float]] = {}
     for name in STATUS_GAUGES:
         value = _metric(metrics, name)
         if value is not None:
             out[name] = value if math.isfinite(value) else None
     out["sglang:gen_throughput"] = rate
-    for name in STATUS_HISTOGRAMS:
-        if _buckets(metrics, name):
-            delta = _interval_buckets(metrics, before, name)
-            out[name + ":p95"] = None if delta is None else histogram_quantile(0.95, delta)
+    for name, delta in intervals.items():
+        out[name + ":p95"] = None if delta is None else histogram_quantile(0.95, delta)
     return out
 
 
-def pool_p95(name: str, scrapes: list[tuple[dict[str, float], Optional[dict[str, float]]]]) -> Optional[float]:
-    """The p95 of histogram `name` over every request the engines finished between their last two scrapes
-    ((now, before) per engine): their interval buckets summed, as Prometheus' histogram_quantile over a sum. None
-    when no engine gives an interval of it (the p95 conditions then do not hold)."""
+def pool_p95(name: str, intervals: list[dict[str, Optional[dict[float, float]]]]) -> Optional[float]:
+    """The p95 of histogram `name` over every request the engines finished between their last two scrapes (each
+    engine's `histogram_intervals`): their interval buckets summed, as Prometheus' histogram_quantile over a sum.
+    None when no engine gives an interval of it (the p95 conditions then do not hold)."""
     merged: dict[float, float] = {}
-    for metrics, before in scrapes:
-        for le, count in (_interval_buckets(metrics, before, name) or {}).items():
+    for engine in intervals:
+        for le, count in (engine.get(name) or {}).items():
             merged[le] = merged.get(le, 0.0) + count
     return histogram_quantile(0.95, merged) if merged else None
 
 
 def sample_from_metrics(now: float, per_engine: list[dict[str, float]],
                         rates: Optional[list[Optional[float]]] = None,
-                        before: Optional[list[Optional[dict[str, float]]]] = None) -> LoadSample:
+                        intervals: Optional[list[dict[str, Optional[dict[float, float]]]]] = None) -> LoadSample:
     """One `LoadSample` from each engine's scraped metrics ({"name{labels}": value}) and, in the same order, its
-    generated tokens/s (`ThroughputMeter`; default: the engines' `sglang:gen_throughput` gauges) and its scrape
-    before this one (`before`: the queue-time and time-to-first-token p95 over the interval between them)."""
+    generated tokens/s (`ThroughputMeter`; default: the engines' `sglang:gen_throughput` gauges) and its histogram
+    intervals since its scrape before (`histogram_intervals`: the queue-time and time-to-first-token p95)."""
 
     def values(name: str) -> list[float]:
         return [_metric(m, name) or 0.0 for m in per_engine]
@@ -199,11 +200,11 @@ def sample_from_metrics(now: float, per_engine: list[dict[str, float]],
     if rates is None:
         rates = values("sglang:gen_throughput")
     throughput = None if any(r is None for r in rates) else float(sum(rates))
-    scrapes = list(zip(per_engine, before if before is not None else [None] * len(per_engine)))
+    intervals = intervals or []
     return LoadSample(time=now, engines=len(per_engine), token_usage=sum(usage) / n,
                       queue_per_engine=sum(queue) / n, throughput=throughput,
-                      queue_time_p95=pool_p95("sglang:queue_time_seconds", scrapes),
-                      ttft_p95=pool_p95("sglang:time_to_first_token_seconds", scrapes))
+                      queue_time_p95=pool_p95("sglang:queue_time_seconds", intervals),
+                      ttft_p95=pool_p95("sglang:time_to_first_token_seconds", intervals))
 
 
 @dataclass(frozen=True)
@@ -356,9 +357,10 @@ class Autoscaler:
             last["time"] = now - (mono - last["time"])  # monotonic -> Unix time
         with self._record_lock:
             decisions = list(self.decisions)
-        return finite({"time": now, "state": "stopped" if self.stopped else "running", "config": self.cfg.as_dict(),
-                       "active_engines": sum(1 for e in engines if e.get("state") == "active"), "engines": engines,
-                       "last_sample": last, "scaling": self.scaling, "decisions": decisions})
+        # NaN stays a float here: the file's writer and the metrics service's answer write it as null
+        return {"time": now, "state": "stopped" if self.stopped else "running", "config": self.cfg.as_dict(),
+                "active_engines": sum(1 for e in engines if e.get("state") == "active"), "engines": engines,
+                "last_sample": last, "scaling": self.scaling, "decisions": decisions}
 
     def _write_status(self) -> None:
         """`status()` to the status file (atomically) and to `publish`; a failure is logged once, never raised."""
@@ -402,13 +404,15 @@ class Autoscaler:
         rates = self.meter.rates(readings)
         wall = time.time()
         shown = {url: {**self.engine_metrics.get(url, {}), "scrape_error": error} for url, error in errors.items()}
+        intervals = {url: histogram_intervals(metrics, self._last_readings.get(url))
+                     for url, (_, metrics) in readings.items()}
         for url, (_, metrics) in readings.items():
-            shown[url] = {"metrics": engine_status_metrics(metrics, self._last_readings.get(url), rates[url]),
+            shown[url] = {"metrics": engine_status_metrics(metrics, intervals[url], rates[url]),
                           "scraped_at": wall, "scrape_error": None}
         self.engine_metrics = shown
         now = time.monotonic()
         sample = sample_from_metrics(now, [m for _, m in readings.values()], [rates[url] for url in readings],
-                                     [self._last_readings.get(url) for url in readings])
+                                     list(intervals.values()))
         self._last_readings = {url: metrics for url, (_, metrics) in readings.items()}
         keep = max(self.cfg.condition_window_secs, self.cfg.scale_out_policy.condition_duration_secs,
                    self.cfg.scale_in_policy.condition_duration_secs) + self.cfg.metrics_interval_secs
