@@ -123,17 +123,20 @@ def check_killed_engine_replaced(events, record, step):
 
 
 # Each run tests two recoveries one after the other (a whole run costs ~45 s of start-up and shutdown on 2 cores):
-# the router first, so that both engines are up when it is started again.
+# the router first, so that both engines are up when it is started again. Its fault is armed at step 0: on a
+# loaded host the kill may land just after the step's last request went through it (a step sends one request per
+# engine), and then step 1's requests need it; a whole step lies between it and the engine's fault of step 2.
 def test_killed_router_then_killed_engine_lose_no_sample(assets):
     config = make_config(assets, "kill", steps=3)
-    records, events, versions = run_with_faults(config, ["kill:router:step=1", "kill:engine=1:step=2"])
+    records, events, versions = run_with_faults(config, ["kill:router:step=0", "kill:engine=1:step=2"])
     assert len(records) == 3
     check_samples(config, records)  # the requests sent while each was down were sent again: every sample once
     # the router: started again at its address with both engines, the step losing no sample
     router_kill = injected(events, "router")
     restarted = next(e for e in events if e["kind"] == "router_restarted")
-    assert router_kill["in_flight"] and restarted["url"] == router_kill["url"] and restarted["engines"] == 2
-    assert records[1]["engines/router_restarts"] == 1 and records[1]["engines/failed"] == 0, records[1]
+    assert router_kill["in_flight"] and restarted["url"] == router_kill["url"] and restarted["engines"] == 2, events
+    assert [r["engines/router_restarts"] for r in records[:2]] in ([1, 0], [0, 1]), records[:2]
+    assert all(r["engines/failed"] == 0 for r in records[:2]), records[:2]
     assert restarted["time"] - router_kill["time"] < INTERVAL + 30.0  # found at the next round, plus its start
     # the engine: it died holding requests; they were sent again (by sglang-router's own retry to another
     # worker, or by the rollout's failover resends), since every sample of the step is there once
