@@ -21,6 +21,7 @@ import recorded_runs
 from conftest import assert_ray_released, run_steps, shared_tiny_model
 from run_helpers import assert_nothing_left, run_processes, start_run, wait_for_file, write_hooks
 
+from relax.wire.core_share import node_cores
 from relax.formats.checkpoint_layout import iter_dir, read_run_state, write_marker
 from relax.config import parse_config
 from relax.core.deadlines import RoleFailure
@@ -66,6 +67,7 @@ def test_staleness_zero_is_the_sync_run(tmp_path):
     recorded_runs.check(SYNC_RECORD, [_learning(b) for b in fully])
     for step, b in enumerate(fully):
         assert b["async/staleness_max"] == 0 and b["async/queue_depth"] == 0
+        assert "perf/trainer_threads_mean" not in b  # the trainer's thread count is fixed (relax.wire.core_share)
         if step:  # strict alternation: step N's rollout starts after step N-1's push
             assert b["async/rollout_start"] >= fully[step - 1]["async/train_end"]
 
@@ -94,6 +96,8 @@ def test_staleness_one_overlaps_trains_each_sample_once_and_resumes(tmp_path):
     assert max(r["async/staleness_max"] for r in records) == 1  # the rollout really ran a policy behind
     overlaps = [records[n + 1]["async/rollout_start"] < records[n]["async/train_end"] for n in range(3)]
     assert any(overlaps), overlaps
+    # the trainer took the cores the rollout left idle, within its own share and the node's cores
+    assert all(1 <= r["perf/trainer_threads_mean"] <= node_cores() for r in records), records
 
     assert read_run_state(iter_dir(save, 2))["next_index"] == 2 * 8  # not step 2's rollout, which had started
     write_marker(save, 2)  # as if the run had stopped after that checkpoint

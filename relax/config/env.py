@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Mapping
 
@@ -65,6 +66,11 @@ def worker_env(train_env_vars: Mapping[str, object] | None = None, *, training_r
     if training_role and train_env_vars:
         env.update({str(k): str(v) for k, v in train_env_vars.items()})
     return env
+
+
+def shm_dir() -> str:
+    """Where node-local shared files go (weight segments, the idle-core board): /dev/shm when writable."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
 def threads_per_process(processes: int, cpus: int | None = None) -> int:

@@ -8,6 +8,8 @@ batch arithmetic) call these functions on the values they have.
 
 from __future__ import annotations
 
+import os
+
 from collections.abc import Mapping
 from typing import Any
 
@@ -112,6 +114,18 @@ def streams_old_logprobs(v: Mapping[str, Any]) -> bool:
                 or v["use_rollout_entropy"] or v["use_rollout_logprobs"]
                 or v["custom_convert_samples_to_train_data_path"]
                 or v["use_routing_replay"] or v["use_rollout_routing_replay"])
+
+
+SHARE_IDLE_CORES_ENV = "RELAX_SHARE_IDLE_CORES"
+
+
+def shares_idle_cores(v: Mapping[str, Any]) -> bool:
+    """Whether the trainer takes the cores its neighbours leave idle (relax.wire.core_share): a fully-async run
+    with --max-staleness >= 1 (0 is the synchronous schedule, kept bit for bit) on CPU, with both the rollout
+    and the trainer, unless RELAX_SHARE_IDLE_CORES=0."""
+    if not v["fully_async"] or v["max_staleness"] < 1 or v["debug_rollout_only"] or v["debug_train_only"]:
+        return False
+    return os.environ.get(SHARE_IDLE_CORES_ENV, "1") != "0" and not driver_has_gpu()
 
 
 def reference_placement(v: Mapping[str, Any], actor_world_size: int) -> str:

@@ -454,6 +454,8 @@ DERIVED_FACTS: dict[str, str] = {
                            "(the actor ranks' processes) | child_process (a child of the one actor rank) | "
                            "streamed (that child, also streaming later updates' old-policy rows); see "
                            "relax.config.facts.reference_placement",
+    "shares_idle_cores": "whether the fully-async trainer takes the cores its neighbours leave idle (CPU, "
+                         "--max-staleness >= 1; relax.config.facts.shares_idle_cores)",
 }
 
 
@@ -468,7 +470,8 @@ def derived_facts(v: dict) -> dict[str, Any]:
             "num_engines": engines, "samples_per_step": facts.samples_per_step(v),
             "data_queue_samples": facts.data_queue_samples(v),
             "model_parallel_size": facts.model_parallel_size(v),
-            "reference_placement": facts.reference_placement(v, world)}
+            "reference_placement": facts.reference_placement(v, world),
+            "shares_idle_cores": facts.shares_idle_cores(v)}
 
 
 def check_batch_arithmetic(v: dict, explicit) -> None:

@@ -20,6 +20,7 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from relax.wire.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
+from relax.wire.core_share import CORES_META, new_token, remove_board
 from relax.wire.handles import DeferredHandle
 from relax.config.config import Config
 from relax.config.env import threads_per_process, worker_env
@@ -59,6 +60,9 @@ class Controller:
     def __init__(self, config: Config, earlier_children: set[int] | None = None):
         if config.use_health_check and BOARD_META not in config.meta:  # the heartbeat board the ranks report to
             config = attempt_config(config, 0, config.load)
+        if config.shares_idle_cores and CORES_META not in config.meta:  # the board the roles report their cores on
+            config = Config(config.to_dict(), config.explicit, {**config.meta, CORES_META: new_token()},
+                            config.derived)
         # the roles, data plane and bounded calls the loops use (relax.core.run_context); this object builds,
         # restarts and stops them
         self.ctx = RunContext(config, config.meta.get(ATTEMPT_META, 0))
@@ -378,6 +382,8 @@ class Controller:
         if left:
             trace_log.warning("shutdown: signalled %d process(es) still running: %s", len(left), left)
         sweep_stale_segments()  # the trainer's /dev/shm segment, when its process was killed before closing it
+        if not keep_ray and self.config.meta.get(CORES_META):  # this node's board of idle cores (a restart keeps it)
+            remove_board(self.config.meta[CORES_META])
         if self.config.timeline_dump_dir:  # every span the roles wrote, also after a failure
             try:
                 path = timeline.merge(self.config.timeline_dump_dir)

@@ -13,6 +13,7 @@ from relax.backends.megatron.model import weights_checksum
 from relax.observability.heartbeat import start_heartbeat
 from relax.observability import timeline
 from relax.weights.sync import close_all as close_weight_syncs
+from relax.wire.core_share import CORES_META, CoreBoard
 
 
 class MegatronRank:
@@ -22,6 +23,9 @@ class MegatronRank:
         import torch
 
         torch.set_num_threads(max(1, threads))
+        self.threads = max(1, threads)
+        # --fully-async on CPU: the run's board of busy cores on this node (relax.wire.core_share); None otherwise
+        self.core_board = CoreBoard.for_run(config.meta.get(CORES_META))
         self.config = config
         self.rank = rank
         self.world_size = world_size

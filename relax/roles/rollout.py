@@ -20,6 +20,7 @@ import logging
 import os
 import statistics
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import ray
@@ -32,6 +33,7 @@ from relax.backends.relax_router.process import router_from_config
 from relax.backends.sglang.router import RouterProcess
 from relax.config.autoscaler import load_autoscaler_config
 from relax.config.config import Config
+from relax.config.env import threads_per_process
 from relax.config.rules_lora import ADAPTER_NAME, adapter_sync
 from relax.roles.placement import cluster_has_gpus, create_placement_group, engine_bundle
 from relax.data.plane import DataPlane
@@ -55,6 +57,7 @@ from relax.rollout.fault_injection import EngineFault, arm, fault_from_env
 from relax.rollout.prompts import PromptEncoder
 from relax.rollout.rewards import RewardRunner
 from relax.rollout.rewards.genrm import set_active_judge
+from relax.wire.core_share import CORES_META, ROLLOUT_SLOT, CoreBoard
 from relax.rollout.step_logs import group_variance_metrics, step_log_metrics
 
 logger = logging.getLogger(__name__)
@@ -165,6 +168,13 @@ class RolloutManager:
         heap.freeze()  # its tokenizer, prompts and reward functions live as long as the process (relax.heap)
         if config.use_fault_tolerance:
             generation.set_failover_window(failover_window_s(config))
+        # --fully-async on CPU: the engines' cores are marked busy while they generate, so that the trainer
+        # takes them only while they are idle (relax.wire.core_share)
+        self.cores = None if config.rollout_external else CoreBoard.for_run(config.meta.get(CORES_META))
+        self.engine_cores = threads_per_process(config.num_engines) * config.num_engines
+
+    def _generating(self):
+        return nullcontext() if self.cores is None else self.cores.computing(ROLLOUT_SLOT, self.engine_cores)
 
     def _data_plane(self) -> Any:
         if self._data is None:
@@ -351,7 +361,8 @@ class RolloutManager:
         else:
             self._maybe_inject(step)
             resends = generation.FAILOVER_RESENDS
-            groups, extra = self._rollout(step, c)
+            with self._generating():
+                groups, extra = self._rollout(step, c)
             if c.use_fault_tolerance:
                 extra["rollout/failover_resends"] = float(generation.FAILOVER_RESENDS - resends)
             samples = self._index(step, groups)
@@ -408,7 +419,8 @@ class RolloutManager:
         size = c.rollout_batch_size // chunks
         part = Config({**c, "rollout_batch_size": size, "over_sampling_batch_size": size}, c.explicit, c.meta,
                       {**c.derived, "samples_per_step": c.samples_per_step // chunks})
-        groups, extra = self._rollout(step, part)
+        with self._generating():
+            groups, extra = self._rollout(step, part)
         samples = self._index(step, groups)
         self._put(step, samples)
         state["samples"].extend(samples)

@@ -16,6 +16,7 @@ from relax import heap
 from relax.formats.model_arch import arch_for_run
 from relax.backends.megatron.cpu_compat import native_device_ops
 from relax.backends.megatron.hf_weights import unwrap_model
+from relax.backends.megatron.layer_hooks import at_every_layer
 from relax.backends.megatron.lora import load_adapters
 from relax.backends.megatron.lora_sync import push_for_config as push_adapter_for_config
 from relax.backends.megatron.optim import gather_params
@@ -36,6 +37,7 @@ from relax.rollout.rewards.runner import check_step_rewards, reward_name
 from relax.training.step import advantage_stage, check_rows, forward_stage, update_stage
 from relax.training.streaming import StreamingUpdate
 from relax.weights.sync import push_for_config
+from relax.wire.core_share import ElasticThreads, node_cores
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +83,7 @@ class TrainerWorker(MegatronRank):
         # --use-pytorch-profiler sections and --memory-snapshot-num-steps records of this rank
         self.profiling = Profiling.from_config(config, rank)
         self.reporter = MetricsReporter.from_config(config)  # --use-metrics-service; a no-op otherwise
+        self.elastic: ElasticThreads | None = None  # set in `setup` when the run shares idle cores
 
     def setup(self, master_addr: str, master_port: int, backend: str) -> dict[str, Any]:
         self.join_process_group(master_addr, master_port, backend)
@@ -101,9 +104,19 @@ class TrainerWorker(MegatronRank):
             with _random_state_kept():
                 self.reference = InRankReference(build_reference_trainer(self.config)[0])
         self.data = DataPlane.attach()
+        if self.core_board is not None:  # --fully-async on CPU: the cores the rollout leaves idle
+            self.elastic = ElasticThreads(self.core_board, self.threads, node_cores() // self.world_size,
+                                          torch.set_num_threads)
+            at_every_layer(self.trainer.model, self.elastic.apply)
         heap.freeze()  # the models and the optimizer live as long as the rank (relax.heap)
         return {"rank": self.rank, "dp": self.trainer.layout.dp, "where": self.where(), "params": sum(
             p.numel() for p in self.trainer.gpt_model.parameters())}
+
+    def _elastic_begin(self) -> None:
+        """A step's first stage: its mean thread count (reported with the update) starts here."""
+        if self.elastic is not None:
+            self.elastic.reset()
+            self.elastic.apply()
 
     # ------------------------------------------------------------------ the actor's stages of a step
     # Each reads its inputs from the step's partition and writes its per-sample outputs back as stage fields
@@ -115,6 +128,7 @@ class TrainerWorker(MegatronRank):
         as `old_logprobs` (by rank 0; every rank computed all of them) when the loss needs them. A step whose
         every reward failed is not trained on (`relax.rollout.rewards.runner.check_step_rewards`)."""
         t0 = time.perf_counter()
+        self._elastic_begin()
         self.profiling.memory_begin()  # a training step runs from this stage to the update (`train`)
         self.profiling.start("train_overall", step)
         samples = self._prefetched.pop(step, None)  # read by this rank's reference stage just before
@@ -183,6 +197,8 @@ class TrainerWorker(MegatronRank):
             raise
         self.profiling.stop("train_overall", step)
         self.profiling.memory_end()
+        if self.elastic is not None:
+            metrics["perf/trainer_threads_mean"] = self.elastic.mean()
         self.reporter.report("trainer", self.rank, metrics, step=step)
         return metrics
 
@@ -195,6 +211,7 @@ class TrainerWorker(MegatronRank):
         A chunk whose every reward failed stops the step (`check_step_rewards`, per chunk: its update would
         learn from those failures alone)."""
         if chunk == 0:
+            self._elastic_begin()
             self.profiling.memory_begin()
             self.profiling.start("train_overall", step)
             self._streaming = {"update": StreamingUpdate(self.trainer, self.config, step), "next": 0, "failed": 0}
@@ -220,6 +237,8 @@ class TrainerWorker(MegatronRank):
         metrics["train/reward_failed_samples"] = float(state["failed"])
         self.profiling.stop("train_overall", step)
         self.profiling.memory_end()
+        if self.elastic is not None:
+            metrics["perf/trainer_threads_mean"] = self.elastic.mean()
         self.reporter.report("trainer", self.rank, metrics, step=step)
         return metrics
 

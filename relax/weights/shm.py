@@ -39,6 +39,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from relax.config.env import shm_dir
+
 LOAD_FORMAT = "relax_shm"
 PREFIX = "relax-ws-"
 ALIGN = 64  # byte alignment of every piece in the segment (any dtype can be viewed there)
@@ -53,10 +55,6 @@ def dtype_name(dt: torch.dtype) -> str:
     if name not in _DTYPES:
         raise ValueError(f"dtype {dt} cannot travel through the shared-memory weight path")
     return name
-
-
-def shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
 def _align(n: int) -> int:
