@@ -21,7 +21,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from relax.wire.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
 from relax.wire.core_share import CORES_META, new_token, remove_board
-from relax.wire.handles import DeferredHandle
 from relax.config.config import Config
 from relax.config.env import threads_per_process, worker_env
 from relax.config.support_gpu import flight_recorder_env
@@ -136,9 +135,7 @@ class Controller:
                                              runtime_env={"env_vars": {**worker_env(), **engine_key}}).remote(c)
         engines_ref = None
         if engines_early:
-            # trainer rank 0 deferred: the rollout manager would import the trainer's module (Megatron) to receive
-            # its handle, before starting the engines (relax.wire.handles)
-            engines_ref = run.rollout.start_engines.remote(pg_rollout, weight_source=DeferredHandle(run.workers[0]),
+            engines_ref = run.rollout.start_engines.remote(pg_rollout, weight_source=run.weight_source(),
                                                            launched=self._launched_engines)
         timeline.record("create the roles' actors", created, time.time(), cat="startup")
         data_start = time.time()
@@ -158,7 +155,7 @@ class Controller:
         if not c.debug_train_only:  # train-only debugging replays saved rollouts: no engines
             if engines_ref is None:
                 engines_ref = run.rollout.start_engines.remote(pg_rollout,
-                                                               weight_source=DeferredHandle(run.workers[0]))
+                                                               weight_source=run.weight_source())
             with timeline.span("wait for the engines and router", cat="startup"):
                 engine_urls = run.wait([run.rollout], [engines_ref], [Call("rollout", "engine and router start")],
                                        None, "")[0]
@@ -254,7 +251,7 @@ class Controller:
         run.rollout_call("weights_pushed", "weight version", None, run.start_step, engine_urls)
         # an engine that joins from now on (a replacement, the autoscaler's) takes its weights from the new rank 0:
         # the pool still holds the killed one's handle
-        run.rollout_call("set_weight_source", "the engines' weight source", None, DeferredHandle(run.workers[0]))
+        run.rollout_call("set_weight_source", "the engines' weight source", None, run.weight_source())
         run.colocate = ColocateProtocol(config, run.workers, run.rollout)
 
     # ------------------------------------------------------------------ the loop

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import ray
 
 from relax.wire.engine_client import EngineClient
+from relax.wire.handles import DeferredHandle
 from relax.config.config import Config
 from relax.core.calls import run_bounded, wait_all
 from relax.core.deadlines import FLAGS, Call, Deadlines, RoleFailure
@@ -83,6 +84,11 @@ class RunContext:
         return self.rollout_call("get_engine_urls", "engine addresses", None)
 
     # ------------------------------------------------------------------ calls with deadlines (relax.core.deadlines)
+    def weight_source(self) -> DeferredHandle:
+        """Trainer rank 0 (which keeps the pushed weights) as the engine pool's weight source, deferred: the
+        rollout manager would import the trainer's module (Megatron) to receive its handle (relax.wire.handles)."""
+        return DeferredHandle(self.workers[0])
+
     def wait(self, actors: list[Any], refs: list[Any], calls: list[Call], deadline_s: float | None,
              flag: str) -> list[Any]:
         self.in_flight = list(zip(actors, refs))
