@@ -1,5 +1,5 @@
 """The autoscaler's status: OUTPUT_DIR/autoscaler_status.json written (atomically) with the engines, their last
-scraped metrics and every decision after each observation and decision; `relax-status RUN_DIR` showing it (text,
+scraped metrics and the newest decisions after each observation and decision; `relax-status RUN_DIR` showing it (text,
 --json, --watch, the one-line error of a run without it); the metrics service's /autoscaler. No Ray: a fake pool
 and a fake /metrics, as in tests/test_autoscaler.py's unit tests."""
 
@@ -136,6 +136,22 @@ def test_relax_status_prints_the_engines_and_the_decisions_newest_first(run_dir,
     out = capsys.readouterr().out
     assert "decisions, newest first (1 of 2; --last 0 for all):" in out
     assert "  hold " not in out
+
+
+def test_the_status_keeps_the_newest_decisions_and_the_log_every_one(run_dir, capsys):
+    """A "hold" row every evaluation: a long run's status keeps the newest KEPT_DECISIONS, autoscaler.jsonl all."""
+    tmp_path, scaler, _, _ = run_dir
+    kept = autoscaler.KEPT_DECISIONS
+    for i in range(kept + 5):
+        scaler._record("hold", 0, f"evaluation {i}")
+    status = json.loads((tmp_path / STATUS_FILE).read_text())
+    assert len(status["decisions"]) == kept and status["decisions_total"] == kept + 7  # 2 made by the fixture
+    assert status["decisions"][-1]["reason"] == f"evaluation {kept + 4}"
+    assert status["decisions"][0]["reason"] == "evaluation 5"  # the 7 oldest left out
+    assert len((tmp_path / "autoscaler.jsonl").read_text().splitlines()) == kept + 7
+    assert cli.main([str(tmp_path), "--last", "2"]) == 0
+    assert (f"decisions, newest first (2 of {kept + 7}; --last 0 for the kept ones; every one in autoscaler.jsonl):"
+            in capsys.readouterr().out)
 
 
 def test_relax_status_json_prints_the_file_and_watch_refreshes(run_dir, capsys, monkeypatch):

@@ -14,8 +14,9 @@ so a reader never sees half a file. Its keys:
   histograms)), `scraped_at` and `scrape_error` (the last scrape failed; `metrics` is then the one before);
 * `last_sample`: the means over the active engines the decisions read (its `time` in Unix time);
 * `scaling`: the scale-out or scale-in under way (action, delta, time decided, reason), null when none;
-* `decisions`: every decision, oldest first, as the rows of OUTPUT_DIR/autoscaler.jsonl (`time` decided,
-  `action`, `delta`, `engines` after it, `reason`; a scaling's `done_time`, `duration_s`, `urls` and outcome).
+* `decisions`: the newest 500 decisions, oldest first, as the rows of OUTPUT_DIR/autoscaler.jsonl (which has
+  every one: `time` decided, `action`, `delta`, `engines` after it, `reason`; a scaling's `done_time`,
+  `duration_s`, `urls` and outcome); `decisions_total`: how many there were in all.
 
 `relax-status RUN_DIR` (relax/entrypoints/status.py) prints it; the metrics service serves it at `/autoscaler`
 with --use-metrics-service.
@@ -196,8 +197,13 @@ def format_status(status: dict[str, Any], now: Optional[float] = None, last: int
     lines += [_engine_line(e, now) for e in engines] or ["  (no engines)"]
     decisions = list(status.get("decisions") or [])
     shown = decisions if last <= 0 else decisions[-last:]
-    header = f"decisions, newest first ({len(shown)} of {len(decisions)}"
-    lines.append(header + ("; --last 0 for all):" if len(shown) < len(decisions) else "):"))
+    total = max(len(decisions), int(status.get("decisions_total") or 0))
+    header = f"decisions, newest first ({len(shown)} of {total}"
+    if len(shown) < len(decisions):
+        header += "; --last 0 for all" if len(decisions) == total else "; --last 0 for the kept ones"
+    if len(decisions) < total:
+        header += f"; every one in {DECISIONS_FILE}"
+    lines.append(header + "):")
     for row in reversed(shown):
         lines.append(f"  {_clock(row.get('time'), now)}  {row.get('action', '?'):<21} {_engines_change(row):>6}  "
                      f"{row.get('reason', '')}  [{_outcome(row)}]")

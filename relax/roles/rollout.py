@@ -40,6 +40,7 @@ from relax.data.plane import DataPlane
 from relax.formats.replay_record import run_record
 from relax.data.sample import Sample
 from relax.observability.accounting import delivery_accounting
+from relax.observability.autoscaler_status import DECISIONS_FILE
 from relax.observability import timeline
 from relax.observability.heartbeat import start_heartbeat
 from relax.observability.metrics_client import MetricsReporter
@@ -232,7 +233,7 @@ class RolloutManager:
                 self.autoscaler = Autoscaler(
                     cfg, self.pool, scale_out_timeout_s=c.scale_out_timeout,
                     partial_policy=c.scale_out_partial_success_policy, drain_timeout_s=c.scale_in_drain_timeout,
-                    log_path=os.path.join(c.output_dir, "autoscaler.jsonl"),  # and autoscaler_status.json beside
+                    log_path=os.path.join(c.output_dir, DECISIONS_FILE),  # and autoscaler_status.json beside
                     # the metrics service's /autoscaler serves each status too (--use-metrics-service)
                     publish=(lambda status: self.reporter.publish("autoscaler", status))
                     if self.reporter.enabled else None).start()

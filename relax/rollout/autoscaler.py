@@ -25,8 +25,8 @@ start), and one that still comes up later is removed as it does, so no engine se
 the newest engines first: off the router, in-flight requests drained within --scale-in-drain-timeout, then stopped
 (the pool's stop waits --scale-in-shutdown-timeout before it kills).
 
-Every decision, with its reason and the metrics behind it, goes to `decisions` (the rollout manager's
-`autoscaler_status`) and to OUTPUT_DIR/autoscaler.jsonl, one row each: `time` is when it was decided (wall clock);
+Every decision, with its reason and the metrics behind it, goes to OUTPUT_DIR/autoscaler.jsonl and to `decisions`
+(the last `KEPT_DECISIONS` of them; the rollout manager's `autoscaler_status`), one row each: `time` is when it was decided (wall clock);
 a scaling's row is written once it has finished, with `done_time` and `duration_s` (and `engines`, the active
 engines then). While a scaling is under way, `status()["scaling"]` shows it.
 
@@ -44,6 +44,7 @@ import math
 import statistics
 import threading
 import time
+from collections import deque
 from concurrent.futures import ALL_COMPLETED, FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,6 +106,7 @@ class ThroughputMeter:
 
 
 # gauges of an engine's /metrics shown per engine in the status (summed over their label sets)
+KEPT_DECISIONS = 500  # decisions the status keeps (the newest); autoscaler.jsonl has every one
 STATUS_GAUGES = ("sglang:token_usage", "sglang:num_running_reqs", "sglang:num_queue_reqs")
 # histograms whose p95 over the last scrape interval is shown per engine (SGLang exports these)
 STATUS_HISTOGRAMS = ("sglang:queue_time_seconds", "sglang:time_to_first_token_seconds")
@@ -320,7 +322,10 @@ class Autoscaler:
         self._status_lock = threading.Lock()
         self._status_warned = False
         self.samples: list[LoadSample] = []
-        self.decisions: list[dict[str, Any]] = []
+        # the last KEPT_DECISIONS (a "hold" row every evaluation: a day-long run would rewrite a status file of
+        # every one at each observation); autoscaler.jsonl keeps all of them
+        self.decisions: deque[dict[str, Any]] = deque(maxlen=KEPT_DECISIONS)
+        self.decisions_total = 0
         self.scaling: Optional[dict[str, Any]] = None  # the scaling under way: its action, delta, time, reason
         self.meter = ThroughputMeter()
         self.last_scale_out = self.last_scale = float("-inf")
@@ -356,11 +361,12 @@ class Autoscaler:
             last = dict(self.samples[-1].__dict__)
             last["time"] = now - (mono - last["time"])  # monotonic -> Unix time
         with self._record_lock:
-            decisions = list(self.decisions)
+            decisions, total = list(self.decisions), self.decisions_total
         # NaN stays a float here: the file's writer and the metrics service's answer write it as null
         return {"time": now, "state": "stopped" if self.stopped else "running", "config": self.cfg.as_dict(),
                 "active_engines": sum(1 for e in engines if e.get("state") == "active"), "engines": engines,
-                "last_sample": last, "scaling": self.scaling, "decisions": decisions}
+                "last_sample": last, "scaling": self.scaling, "decisions": decisions,
+                "decisions_total": total}
 
     def _write_status(self) -> None:
         """`status()` to the status file (atomically) and to `publish`; a failure is logged once, never raised."""
@@ -527,6 +533,7 @@ class Autoscaler:
                **extra}
         with self._record_lock:
             self.decisions.append(row)
+            self.decisions_total += 1
             if self.log_path is not None:
                 with self.log_path.open("a") as f:
                     f.write(json.dumps(row) + "\n")
