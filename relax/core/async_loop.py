@@ -9,7 +9,8 @@ threads of the driver instead of one after the other:
   the synchronous schedule);
 * the passes thread takes each generated step in order and runs the stages of frozen models in roles of their
   own (`Stages.ahead`: the reference's and the teacher's log-probs) as soon as it is stored, so that step
-  N+1's reference pass runs while step N trains (with S >= 1);
+  N+1's reference pass runs while step N trains (with S >= 1), and reads the step's sample count, weight
+  versions and indexes from the data plane for its metrics, off the training thread;
 * the training thread (the caller's) takes the oldest prepared step, runs its other stages (`Stages.plan`:
   critic values and old log-probs at once, advantages, updates), clears its partition, pushes the weights
   and only then marks the step consumed, which opens the window for the next rollout step.
@@ -293,10 +294,17 @@ class AsyncLoop:
 
     # ------------------------------------------------------------------ the passes ahead of training
     def prepare(self, step: int, rollout: dict[str, Any]) -> dict[str, Any]:
-        """Step `step`'s `ahead` stages, on their own thread (run_window's `prepare`), once its rollout is
-        stored; their metrics travel with the rollout's to the training thread."""
-        metrics = run_group(self.ahead, step)
-        return {**rollout, "ahead": metrics, "ahead_end": time.time()}
+        """Step `step`'s `ahead` stages and its reads of the data plane (its sample count, weight versions and
+        indexes), on their own thread (run_window's `prepare`), once its rollout is stored: none of them waits
+        for the training of earlier steps, so the training thread does not wait for them either. Their metrics
+        travel with the rollout's to the training thread."""
+        metrics = run_group(self.ahead, step) if self.ahead else {}
+        return {**rollout, "ahead": metrics, "ahead_end": time.time(), "stored": self._stored_metrics(step)}
+
+    def _stored_metrics(self, step: int) -> dict[str, float]:
+        run = self.ctx
+        return {"data/step_samples": float(run.data_call("count the step's samples", step, run.data.size)),
+                **run.data_call("read the step's weight versions", step, self._version_metrics)}
 
     # ------------------------------------------------------------------ the training thread
     def train(self, step: int, rollout: dict[str, Any] | None) -> None:
@@ -308,11 +316,10 @@ class AsyncLoop:
             rollout = self.window.wait_finished(step)
             trained["async/first_chunk_lead_time"] = rollout["end"] - trained["async/first_chunk_train_start"]
         metrics = dict(rollout["metrics"])
-        if "ahead" in rollout:  # > 0: the passes ended before this step's training began
+        if self.ahead:  # > 0: the passes ended before this step's training began
             metrics.update(rollout["ahead"])
             metrics["async/ahead_lead_time"] = train_start - rollout["ahead_end"]
-        metrics["data/step_samples"] = float(run.data_call("count the step's samples", step, run.data.size))
-        metrics.update(run.data_call("read the step's weight versions", step, self._version_metrics))
+        metrics.update(rollout["stored"] if "stored" in rollout else self._stored_metrics(step))
         metrics.update(trained)
         if not c.debug_rollout_only and self.chunks == 1:
             for group in run.stages.plan(without=self.ahead):  # the synchronous loop's stages (relax.core.stages)
@@ -339,6 +346,5 @@ class AsyncLoop:
     def run(self) -> None:
         self.ctx.evaluate_before_training()
         logger.info("fully-async: rollout up to %d step(s) ahead of training", self.c.max_staleness)
-        run_window(self.window, self.generate, self.train, streaming=self.chunks > 1,
-                   prepare=self.prepare if self.ahead else None)
+        run_window(self.window, self.generate, self.train, streaming=self.chunks > 1, prepare=self.prepare)
         self.ctx.summarize()
