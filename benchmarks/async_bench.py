@@ -11,6 +11,8 @@ the given model and data with --extra flags):
   sync          relax-train as configured (the synchronous loop)
   async S=1     the same with --fully-async --max-staleness 1
   async S=2     the same with --fully-async --max-staleness 2
+  async S=1 fixed  async S=1 with RELAX_SHARE_IDLE_CORES=0: every process keeps its thread count (the trainer
+                does not take the cores the rollout leaves idle, relax.wire.core_share)
   async S=1 K   with --chunks K: async S=1 with --num-iters-per-train-update K (each step streamed in K chunks)
   plain loop    benchmarks/plain_loop_bench.py's single-process loop (transformers generate + the same update,
                 no Ray), from the same settings (the preset's, or --model/--data and --extra, its reward from
@@ -21,7 +23,8 @@ step's record, timed by polling metrics.jsonl), the fraction of that wall time i
 stage ran at once (async: from the steps' async/rollout_* and async/train_* times; sync: 0 by construction),
 each role's CPU utilisation over the same window (CPU seconds of its processes / wall seconds: 1.0 is one core
 busy; from psutil over the run's process tree), and the reward over the last three steps (every mode trains on
-the same number of samples).
+the same number of samples), and the trainer's mean thread count (perf/trainer_threads_mean; "fixed" where the
+mode keeps it).
 
 Machines are shared and noisy: read the ratios, printed at the end, and quote them with `uptime`.
 """
@@ -44,7 +47,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from plain_loop_bench import run_loop  # noqa: E402  (the same loop issue 18's comparison uses)
 
 MODES = {"sync": [], "async S=1": ["--fully-async", "--max-staleness", "1"],
-         "async S=2": ["--fully-async", "--max-staleness", "2"]}
+         "async S=2": ["--fully-async", "--max-staleness", "2"],
+         "async S=1 fixed": ["--fully-async", "--max-staleness", "1"]}
+# environment of a mode beyond the benchmark's own: "fixed" keeps every process's thread count (the trainer does
+# not take the cores the rollout leaves idle, relax.wire.core_share), for the side-by-side comparison
+MODE_ENV = {"async S=1 fixed": {"RELAX_SHARE_IDLE_CORES": "0"}}
 
 
 def _role(proc: psutil.Process) -> str:
@@ -82,7 +89,7 @@ def _cpu_by_role(root: int) -> dict[str, float]:
     return out
 
 
-def run_mode(name: str, flags: list[str], steps: int, warmup: int, out: Path) -> dict:
+def run_mode(name: str, flags: list[str], steps: int, warmup: int, out: Path, env: dict | None = None) -> dict:
     """One relax-train run; its steady-state figures."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "relax.entrypoints.train", "--output-dir", str(out / "run"), "--num-rollout",
@@ -91,7 +98,7 @@ def run_mode(name: str, flags: list[str], steps: int, warmup: int, out: Path) ->
     seen, marks = 0, []  # (wall time a record appeared, CPU seconds by role then)
     print(f"{name}: {' '.join(cmd[3:])}", flush=True)
     with open(out / "log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         while proc.poll() is None:
             lines = metrics.read_text().count("\n") if metrics.is_file() else 0
             if lines > seen:
@@ -115,7 +122,8 @@ def run_mode(name: str, flags: list[str], steps: int, warmup: int, out: Path) ->
     return {"samples_per_s": samples / wall, "s_per_step": wall / len(counted), "overlap": _overlap(counted),
             "util": {k: v for k, v in sorted(util.items(), key=lambda kv: -kv[1]) if v >= 0.02},
             "reward": statistics.fmean(r["rollout/reward_mean"] for r in rows[-3:]),
-            "staleness_max": max((r.get("async/staleness_max", 0.0) for r in counted), default=0.0)}
+            "staleness_max": max((r.get("async/staleness_max", 0.0) for r in counted), default=0.0),
+            "threads": statistics.fmean(r.get("perf/trainer_threads_mean", 0.0) for r in counted)}
 
 
 def _overlap(rows: list[dict]) -> float:
@@ -178,19 +186,21 @@ def main() -> int:
             if args.only is None or name in args.only:
                 print(f"uptime: {os.popen('uptime').read().strip()}")
                 results[name] = run_mode(name, [*extra, *flags], args.steps, args.warmup,
-                                         root / name.replace(" ", "_").replace("=", ""))
+                                         root / name.replace(" ", "_").replace("=", ""), MODE_ENV.get(name))
         if not args.skip_loop:
             print(f"uptime: {os.popen('uptime').read().strip()}")
             results["plain loop"] = run_plain_loop(args.steps, args.warmup, extra, root)
     print(f"uptime: {os.popen('uptime').read().strip()}\n")
-    print(f"{'mode':<12}{'samples/s':>11}{'s/step':>9}{'overlap':>9}{'stale max':>10}{'reward':>8}  CPU utilisation")
+    print(f"{'mode':<16}{'samples/s':>11}{'s/step':>9}{'overlap':>9}{'stale max':>10}{'reward':>8}{'threads':>9}"
+          "  CPU utilisation")
     for name, r in results.items():
         if not r:
-            print(f"{name:<12}  (failed)")
+            print(f"{name:<16}  (failed)")
             continue
         util = ", ".join(f"{k} {v:.2f}" for k, v in r["util"].items())
-        print(f"{name:<12}{r['samples_per_s']:>11.1f}{r['s_per_step']:>9.3f}{r['overlap']:>9.2f}"
-              f"{r['staleness_max']:>10.0f}{r['reward']:>8.3f}  {util}")
+        threads = f"{r['threads']:.2f}" if r.get("threads") else "fixed"
+        print(f"{name:<16}{r['samples_per_s']:>11.1f}{r['s_per_step']:>9.3f}{r['overlap']:>9.2f}"
+              f"{r['staleness_max']:>10.0f}{r['reward']:>8.3f}{threads:>9}  {util}")
     base = results.get("sync") or {}
     for name, r in results.items():
         if r and base and name != "sync":

@@ -89,13 +89,24 @@ def test_the_calls_come_at_every_layer_forward_and_backward(model_dir, megatron_
     assert len(seen) == 2 * layers, seen
 
 
-def test_only_fully_async_runs_with_staleness_share_cores(tmp_path, monkeypatch):
+def test_only_fully_async_runs_with_staleness_of_a_wide_model_share_cores(tmp_path, monkeypatch):
+    import json
+
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    (wide / "config.json").write_text(json.dumps({"hidden_size": 576}))
+    monkeypatch.delenv("RELAX_SHARE_IDLE_CORES", raising=False)
     base = ["--output-dir", str(tmp_path)]
-    assert not parse_config(base).shares_idle_cores  # synchronous
-    assert not parse_config(base + ["--fully-async", "--max-staleness", "0"]).shares_idle_cores  # the sync schedule
-    assert parse_config(base + ["--fully-async", "--max-staleness", "1"]).shares_idle_cores
+    s1 = ["--fully-async", "--max-staleness", "1"]
+    assert not parse_config(base + ["--hf-checkpoint", str(wide)]).shares_idle_cores  # synchronous
+    assert not parse_config(base + ["--hf-checkpoint", str(wide), "--fully-async", "--max-staleness", "0"]
+                            ).shares_idle_cores  # the synchronous schedule
+    assert parse_config(base + ["--hf-checkpoint", str(wide)] + s1).shares_idle_cores
+    assert not parse_config(base + s1).shares_idle_cores  # the embedded default: 64 wide, its kernels too small
+    monkeypatch.setenv("RELAX_SHARE_IDLE_CORES", "1")
+    assert parse_config(base + s1).shares_idle_cores
     monkeypatch.setenv("RELAX_SHARE_IDLE_CORES", "0")
-    assert not parse_config(base + ["--fully-async", "--max-staleness", "1"]).shares_idle_cores
+    assert not parse_config(base + ["--hf-checkpoint", str(wide)] + s1).shares_idle_cores
 
 
 def test_the_board_lives_in_shared_memory():

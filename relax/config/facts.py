@@ -8,10 +8,11 @@ batch arithmetic) call these functions on the values they have.
 
 from __future__ import annotations
 
+import json
 import os
-
 from collections.abc import Mapping
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 # Where the reference model's log-probs are computed (`reference_placement`):
 NO_REFERENCE = "none"  # no KL loss and no KL reward: no reference model at all
@@ -117,15 +118,48 @@ def streams_old_logprobs(v: Mapping[str, Any]) -> bool:
 
 
 SHARE_IDLE_CORES_ENV = "RELAX_SHARE_IDLE_CORES"
+# The narrowest model whose trainer gains from the idle cores. A second OpenMP thread pays only for large matrix
+# products: measured (benchmarks/async_bench.py, 2 cores, async S=1 against sync) SmolLM2-135M (width 576) went
+# from 1.24x with fixed thread counts to 1.64x taking the idle core, while the embedded default (width 64) went
+# from 0.96x to 0.73x, its small kernels losing more to the threads' synchronisation than they gain.
+IDLE_CORES_MIN_WIDTH = 256
+
+
+def model_width(v: Mapping[str, Any]) -> Optional[int]:
+    """The trained model's hidden size: its --hf-checkpoint's config.json (the embedded default's built-in
+    architecture before its folder is written), else --hidden-size; None when unknown."""
+    path = v.get("hf_checkpoint")
+    if path:
+        config_file = Path(path) / "config.json"
+        if config_file.is_file():
+            try:
+                hf = json.loads(config_file.read_text())
+            except (OSError, ValueError):
+                return None
+            hf = hf.get("text_config") or hf  # multimodal configs hold the language model's sizes there
+            width = hf.get("hidden_size") or hf.get("d_model") or hf.get("n_embd")
+            return int(width) if width else None
+        from relax.config.presets import embedded_paths  # presets reads this module's facts
+
+        if Path(path) == Path(embedded_paths(v["output_dir"])[0]):
+            from relax.models.embedded import EMBEDDED_ARCH
+
+            return EMBEDDED_ARCH.hidden_size
+        return None
+    return v.get("hidden_size")
 
 
 def shares_idle_cores(v: Mapping[str, Any]) -> bool:
     """Whether the trainer takes the cores its neighbours leave idle (relax.wire.core_share): a fully-async run
     with --max-staleness >= 1 (0 is the synchronous schedule, kept bit for bit) on CPU, with both the rollout
-    and the trainer, unless RELAX_SHARE_IDLE_CORES=0."""
+    and the trainer, of a model at least IDLE_CORES_MIN_WIDTH wide. RELAX_SHARE_IDLE_CORES=0 turns it off and
+    =1 on at any width."""
     if not v["fully_async"] or v["max_staleness"] < 1 or v["debug_rollout_only"] or v["debug_train_only"]:
         return False
-    return os.environ.get(SHARE_IDLE_CORES_ENV, "1") != "0" and not driver_has_gpu()
+    forced = os.environ.get(SHARE_IDLE_CORES_ENV, "")
+    if forced == "0" or driver_has_gpu():
+        return False
+    return forced == "1" or (model_width(v) or 0) >= IDLE_CORES_MIN_WIDTH
 
 
 def reference_placement(v: Mapping[str, Any], actor_world_size: int) -> str:

@@ -455,7 +455,7 @@ DERIVED_FACTS: dict[str, str] = {
                            "streamed (that child, also streaming later updates' old-policy rows); see "
                            "relax.config.facts.reference_placement",
     "shares_idle_cores": "whether the fully-async trainer takes the cores its neighbours leave idle (CPU, "
-                         "--max-staleness >= 1; relax.config.facts.shares_idle_cores)",
+                         "--max-staleness >= 1, a model at least 256 wide; relax.config.facts.shares_idle_cores)",
 }
 
 

@@ -19,10 +19,11 @@ right, since they do not share its cores. Reads and writes are a system call eac
 at every layer costs nothing measurable. A writer that dies while it computes leaves its slot set: the trainer
 then keeps to its own share, the safe side.
 
-Only in fully-async runs with --max-staleness >= 1 on CPU (`Config.shares_idle_cores`): --max-staleness 0 is
-the synchronous schedule, which must give the synchronous loop's numbers exactly, and a thread count changing
-with the timing changes float32 round-off in reductions, so such runs are not bitwise reproducible (learning is
-the same within the noise). RELAX_SHARE_IDLE_CORES=0 keeps the fixed counts.
+Only in fully-async runs with --max-staleness >= 1 on CPU, of a model wide enough that a second thread pays
+(`Config.shares_idle_cores`, relax.config.facts: measured gains and losses there): --max-staleness 0 is the
+synchronous schedule, which must give the synchronous loop's numbers exactly, and a thread count changing with
+the timing changes float32 round-off in reductions, so such runs are not bitwise reproducible (learning is the
+same within the noise). RELAX_SHARE_IDLE_CORES=0 keeps the fixed counts; =1 shares at any width.
 """
 
 from __future__ import annotations
