@@ -1,7 +1,7 @@
 """--use-fault-tolerance with real SGLang engines on CPU (`--rollout-backend sglang`): the embedded-engine kill of
 tests/test_engine_fault_tolerance.py again, through its own run and checks. Two SGLang engines behind sglang-router
 (plus the trainer, on 2 cores); engine 1 is killed (SIGKILL, the test-only fault injection) while it holds requests
-of step 1. The run finishes; every sample of both steps is there exactly once; the killed engine was found,
+of step 1. The run finishes; every sample of every step is there exactly once; the killed engine was found,
 replaced, and its replacement was sent the last push's weights: at the end both engines report the last version
 and give the same greedy log-probs.
 
@@ -22,14 +22,15 @@ PROBE_TIMEOUT_S = 20
 
 
 def test_killed_sglang_engine_is_replaced_and_loses_no_sample(assets, sglang_ray):  # noqa: F811
-    config = make_config(assets, "sglang-kill", 2, "--rollout-backend", "sglang",
+    # 3 steps: the failure may be counted in the step after the fault's (check_killed_engine_replaced)
+    config = make_config(assets, "sglang-kill", 3, "--rollout-backend", "sglang",
                          "--rollout-health-check-timeout", str(PROBE_TIMEOUT_S))
     assert config.rollout_backend == "sglang" and config.rollout_health_check_timeout == PROBE_TIMEOUT_S
     records, events, versions = run_with_faults(config, ["kill:engine=1:step=1"], add_engine=False)
-    assert len(records) == 2
+    assert len(records) == 3
     check_samples(config, records)  # the killed engine's requests were sent again: every sample once
-    engine_kill, failed, replaced = check_killed_engine_replaced(events, records[1], step=1)
-    # step 1's push (version 2) reached the replacement, which is one of the two engines of the end
-    assert replaced["url"] in versions and set(versions.values()) == {"2"}, versions
-    print(f"sglang: resends {records[1]['rollout/failover_resends']:g}, detected after "
+    engine_kill, failed, replaced, fault = check_killed_engine_replaced(events, records, step=1)
+    # the last push (version 3) reached the replacement, which is one of the two engines of the end
+    assert replaced["url"] in versions and set(versions.values()) == {"3"}, versions
+    print(f"sglang: resends {fault['rollout/failover_resends']:g}, detected after "
           f"{failed['time'] - engine_kill['time']:.2f} s, replaced {replaced['time'] - failed['time']:.2f} s later")
