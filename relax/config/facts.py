@@ -120,8 +120,9 @@ def streams_old_logprobs(v: Mapping[str, Any]) -> bool:
 SHARE_IDLE_CORES_ENV = "RELAX_SHARE_IDLE_CORES"
 # The narrowest model whose trainer gains from the idle cores. A second OpenMP thread pays only for large matrix
 # products: measured (benchmarks/async_bench.py, 2 cores, async S=1 against sync) SmolLM2-135M (width 576) went
-# from 1.24x with fixed thread counts to 1.64x taking the idle core, while the embedded default (width 64) went
-# from 0.96x to 0.73x, its small kernels losing more to the threads' synchronisation than they gain.
+# from 1.24x with fixed thread counts to 1.64x (1.71x in a second run) taking the idle core, while the embedded
+# default (width 64) went from 0.96x to 0.73x, its small kernels losing more to the threads' synchronisation than
+# they gain.
 IDLE_CORES_MIN_WIDTH = 256
 
 

@@ -73,7 +73,8 @@ class CriticWorker(MegatronRank):
         mine = samples[layout.dp_rank::layout.dp]
         inputs = [{"tokens": torch.tensor(s.prompt_tokens + s.response_tokens, dtype=torch.long),
                    "response_length": len(s.response_tokens)} for s in mine]
-        values = self.trainer.compute_values(inputs) if inputs else []
+        with self.computing("critic"):  # beside the actor's forward pass
+            values = self.trainer.compute_values(inputs) if inputs else []
         self.data.put_fields(step, [s.index for s in mine], values=values)
         return {"samples": len(mine), "seconds": time.perf_counter() - t0}
 

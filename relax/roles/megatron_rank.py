@@ -3,6 +3,7 @@ the group, the rendezvous address of rank 0, and joining the process group."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from typing import Any
@@ -13,7 +14,7 @@ from relax.backends.megatron.model import weights_checksum
 from relax.observability.heartbeat import start_heartbeat
 from relax.observability import timeline
 from relax.weights.sync import close_all as close_weight_syncs
-from relax.wire.core_share import CORES_META, CoreBoard
+from relax.wire.core_share import CORES_META, RANK_SLOTS, CoreBoard
 
 
 class MegatronRank:
@@ -34,6 +35,13 @@ class MegatronRank:
         self.offloader = None
         timeline.set_role(f"{type(self).__name__.replace('Worker', '').lower()} rank {rank}")  # its timeline track
         start_heartbeat(self)  # --use-health-check: beats from a thread of its own (relax.observability.heartbeat)
+
+    def computing(self, role: str):
+        """This rank's cores marked busy on the run's board while it computes (--fully-async on CPU: the actor's
+        trainer then leaves them to it; relax.wire.core_share)."""
+        if self.core_board is None:
+            return contextlib.nullcontext()
+        return self.core_board.computing(RANK_SLOTS[role] + self.rank, self.threads)
 
     def master_address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0 to host the rendezvous."""

@@ -16,7 +16,6 @@ one Megatron's architecture flags describe when there is no HF folder.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any
 
@@ -32,7 +31,6 @@ from relax.data.plane import DataPlane
 from relax.observability import timeline
 from relax.roles.megatron_rank import MegatronRank
 from relax.roles.megatron_settings import build_reference_trainer, trainer_settings
-from relax.wire.core_share import RANK_SLOTS
 
 
 def _checkpoint_arch(kind: str, where) -> Any:
@@ -93,18 +91,11 @@ class ReferenceWorker(MegatronRank):
         mine = samples[layout.dp_rank::layout.dp]
         inputs = [{"tokens": torch.tensor(s.prompt_tokens + s.response_tokens, dtype=torch.long),
                    "response_length": len(s.response_tokens)} for s in mine]
-        with self._computing():
+        with self.computing(self.role):
             logprobs = self.trainer.compute_logprobs(inputs, self.config.rollout_temperature) if inputs else []
         name = "teacher_logprobs" if self.role == "teacher" else "ref_logprobs"
         self.data.put_fields(step, [s.index for s in mine], **{name: logprobs})
         return {"samples": len(mine), "seconds": time.perf_counter() - t0}
-
-    def _computing(self):
-        """Its cores marked busy on the run's board while it computes (--fully-async on CPU: the trainer then
-        leaves them to it; relax.wire.core_share)."""
-        if self.core_board is None:
-            return contextlib.nullcontext()
-        return self.core_board.computing(RANK_SLOTS[self.role] + self.rank, self.threads)
 
     def set_model_state(self, state: dict[str, Any]) -> None:
         self.trainer.set_model_state(state)

@@ -7,8 +7,9 @@ time, but not all the time: the rollout of step N+1 mostly ends well before step
 engines' core then sits idle until the next weight push (likewise the reference's, between its passes). The
 trainer takes such cores back while they are idle:
 
-* the roles beside it (the rollout manager for its engines, the reference and teacher ranks) write on a board
-  how many cores they compute on at the moment (`CoreBoard.computing`), and 0 when they stop;
+* the roles beside it (the rollout manager for its engines; the reference, teacher and critic ranks, whose
+  passes run beside the trainer's) write on a board how many cores they compute on at the moment
+  (`CoreBoard.computing`), and 0 when they stop;
 * the trainer's model calls `ElasticThreads.apply` at every transformer layer of its forward and backward
   passes, which sets the trainer's torch threads to the node's cores less the busy ones, and never below its
   own share.
@@ -40,7 +41,7 @@ CORES_META = "core_board"  # config.meta key: the run's board token (set by the 
 PREFIX = "relax-cores-"
 SLOTS = 64
 ROLLOUT_SLOT = 0  # the rollout manager, for its engines
-RANK_SLOTS = {"reference": 1, "teacher": 33}  # + the rank (up to 32 ranks of a role per node)
+RANK_SLOTS = {"reference": 1, "teacher": 22, "critic": 43}  # + the rank (up to 21 ranks of a role per node)
 
 
 def new_token() -> str:
