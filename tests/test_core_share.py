@@ -33,7 +33,7 @@ def test_a_board_opened_by_another_process_shows_its_cores(board):
     proc.join(60)
     assert done.is_set() and board.busy_cores() == 3
     board.set(ROLLOUT_SLOT, 1)
-    assert board.busy_cores() == 4 and board.busy_cores(skip=5) == 1
+    assert board.busy_cores() == 4
     assert CoreBoard(board.path).busy_cores() == 4  # opening it again keeps what is written
 
 
@@ -65,8 +65,6 @@ def test_the_trainer_takes_the_idle_cores_and_never_goes_below_its_share(board):
     elastic.apply()
     now[0] = 6.0
     assert elastic.mean() == pytest.approx(2.0)
-    elastic.settle()
-    assert calls[-1] == 1 and elastic.current == 1
 
 
 def test_the_calls_come_at_every_layer_forward_and_backward(model_dir, megatron_process):

@@ -140,9 +140,9 @@ def model_width(v: Mapping[str, Any]) -> Optional[int]:
             hf = hf.get("text_config") or hf  # multimodal configs hold the language model's sizes there
             width = hf.get("hidden_size") or hf.get("d_model") or hf.get("n_embd")
             return int(width) if width else None
-        from relax.config.presets import embedded_paths  # presets reads this module's facts
+        from relax.config.rules_arch import is_embedded_model  # which reads this module's facts through presets
 
-        if Path(path) == Path(embedded_paths(v["output_dir"])[0]):
+        if is_embedded_model(v):
             from relax.models.embedded import EMBEDDED_ARCH
 
             return EMBEDDED_ARCH.hidden_size

@@ -28,11 +28,16 @@ def engine_bind_host() -> str:
     return ray.util.get_node_ip_address() if len(alive) > 1 else "127.0.0.1"
 
 
+def engine_threads(config: Any) -> int:
+    """torch threads of each embedded rollout engine: the node's cores less one, shared out among the engines."""
+    return threads_per_process(config.num_engines)
+
+
 def engine_server_args(config: Any, backend: str) -> dict[str, Any]:
     """The server options of the run's rollout engines of `backend`."""
     if backend == "embedded":
         args = {"dtype": "float32", "random_seed": config.rollout_seed,
-                "num_threads": threads_per_process(config.num_engines),
+                "num_threads": engine_threads(config),
                 "max_running_requests": 256}
         if config.rollout_max_context_len:
             args["context_length"] = config.rollout_max_context_len

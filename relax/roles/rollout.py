@@ -33,7 +33,6 @@ from relax.backends.relax_router.process import router_from_config
 from relax.backends.sglang.router import RouterProcess
 from relax.config.autoscaler import load_autoscaler_config
 from relax.config.config import Config
-from relax.config.env import threads_per_process
 from relax.config.rules_lora import ADAPTER_NAME, adapter_sync
 from relax.roles.placement import cluster_has_gpus, create_placement_group, engine_bundle
 from relax.data.plane import DataPlane
@@ -45,7 +44,7 @@ from relax.observability import timeline
 from relax.observability.heartbeat import start_heartbeat
 from relax.observability.metrics_client import MetricsReporter
 from relax.rollout.autoscaler import Autoscaler
-from relax.roles.engine import engine_bind_host, engine_server_args, rollout_engine_actor
+from relax.roles.engine import engine_bind_host, engine_server_args, engine_threads, rollout_engine_actor
 from relax.rollout import generate as generation
 from relax.rollout.buffer import build_data_source
 from relax.rollout.context import RolloutContext, RolloutOutput, load_hook
@@ -172,7 +171,7 @@ class RolloutManager:
         # --fully-async on CPU: the engines' cores are marked busy while they generate, so that the trainer
         # takes them only while they are idle (relax.wire.core_share)
         self.cores = None if config.rollout_external else CoreBoard.for_run(config.meta.get(CORES_META))
-        self.engine_cores = threads_per_process(config.num_engines) * config.num_engines
+        self.engine_cores = engine_threads(config) * config.num_engines
 
     def _generating(self):
         return nullcontext() if self.cores is None else self.cores.computing(ROLLOUT_SLOT, self.engine_cores)

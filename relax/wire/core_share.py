@@ -83,9 +83,8 @@ class CoreBoard:
     def set(self, slot: int, cores: int) -> None:
         os.pwrite(self._fd, bytes([max(0, min(255, int(cores)))]), slot)
 
-    def busy_cores(self, skip: int | None = None) -> int:
-        data = os.pread(self._fd, SLOTS, 0)
-        return sum(b for i, b in enumerate(data) if i != skip)
+    def busy_cores(self) -> int:
+        return sum(os.pread(self._fd, SLOTS, 0))
 
     @contextmanager
     def computing(self, slot: int, cores: int) -> Iterator[None]:
@@ -118,7 +117,7 @@ class ElasticThreads:
         self._elapsed = 0.0
 
     def wanted(self) -> int:
-        return max(self.own, min(self.node, self.node - self.board.busy_cores()))
+        return max(self.own, self.node - self.board.busy_cores())
 
     def apply(self) -> int:
         n = self.wanted()
@@ -141,10 +140,3 @@ class ElasticThreads:
     def reset(self) -> None:
         self._account()
         self._weighted = self._elapsed = 0.0
-
-    def settle(self) -> None:
-        """Back to its own share (between steps: the next step's rollout may start at any moment)."""
-        if self.current != self.own:
-            self._account()
-            self._set(self.own)
-            self.current = self.own
