@@ -3,6 +3,7 @@ for the embedded default, under 25 s for SmolLM2-135M on a 2-core machine).
 
     .venv/bin/python benchmarks/startup_bench.py                    # both models, cold then warm
     .venv/bin/python benchmarks/startup_bench.py --only embedded --warm-runs 2
+    .venv/bin/python benchmarks/startup_bench.py --only embedded --warm-runs 1 --cpu   # and each process's CPU
 
 Each run is `relax-train ... --num-rollout 1 --timeline-dump-dir DIR` in a subprocess. Launch is the moment
 just before the subprocess starts; the times after it come from the run's timeline (wall clock):
@@ -33,6 +34,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -78,15 +80,65 @@ def smollm2_flags(model: Path, data: Path) -> list[str]:
             "--distributed-backend", "gloo"]
 
 
-def timed_run(out: Path, flags: list[str], env: dict[str, str]) -> dict[str, float]:
-    """One 1-step run; seconds from launch to each moment of the module docstring."""
+def run_sampling_cpu(cmd: list[str], env: dict[str, str], launched: float):
+    """`cmd` to its end, sampling (every 0.1 s) the CPU seconds of each process it starts; (the completed
+    process, {pid: (CPU s, seconds after launch it was first seen, its latest command line)}). A process's CPU is
+    its last sample's: what it spent in its last 0.1 s is missed."""
+    import psutil
+
+    seen: dict[int, list] = {}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    outputs: dict[str, str] = {}
+    readers = [threading.Thread(target=lambda name, f: outputs.__setitem__(name, f.read()), args=(name, f),
+                                daemon=True) for name, f in (("stdout", proc.stdout), ("stderr", proc.stderr))]
+    for r in readers:
+        r.start()
+    root = psutil.Process(proc.pid)
+    while proc.poll() is None:
+        try:
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            break
+        for p in procs:
+            try:
+                with p.oneshot():
+                    t = p.cpu_times()
+                    if p.pid not in seen:
+                        seen[p.pid] = [0.0, time.time() - launched, ""]
+                    # the latest command line: a Ray worker's names its actor once it has one
+                    seen[p.pid][0], seen[p.pid][2] = t.user + t.system, " ".join(p.cmdline())[:90]
+            except psutil.Error:
+                pass
+        time.sleep(0.1)
+    for r in readers:
+        r.join()
+    done = subprocess.CompletedProcess(cmd, proc.wait(), outputs.get("stdout", ""), outputs.get("stderr", ""))
+    return done, {pid: tuple(v) for pid, v in seen.items()}
+
+
+def show_cpu(per_process: dict[int, tuple]) -> None:
+    rows = sorted(per_process.values(), key=lambda r: -r[0])
+    print(f"  CPU s in all: {sum(r[0] for r in rows):.1f} over {len(rows)} processes", flush=True)
+    for cpu_s, started, cmdline in rows:
+        if cpu_s >= 0.3:
+            print(f"  {cpu_s:5.1f} CPU s  from {started:5.1f} s  {cmdline}", flush=True)
+
+
+def timed_run(out: Path, flags: list[str], env: dict[str, str], cpu: bool = False) -> dict[str, float]:
+    """One 1-step run; seconds from launch to each moment of the module docstring. `cpu`: also print the CPU
+    seconds of each process the run started."""
     timeline_dir = out / "timeline"
     cmd = [sys.executable, "-m", "relax.entrypoints.train", "--output-dir", str(out), "--num-rollout", "1",
            "--timeline-dump-dir", str(timeline_dir), *flags]
     load = os.getloadavg()[0]
     launched = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
+    if cpu:
+        proc, per_process = run_sampling_cpu(cmd, {**os.environ, **env}, launched)
+    else:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
     ended = time.time()
+    if cpu:
+        show_cpu(per_process)
     if proc.returncode != 0:  # reported, and the other runs still measured
         failed = [line for line in proc.stderr.splitlines() if "run failed" in line] or proc.stderr.splitlines()[-1:]
         print(f"run failed ({proc.returncode}): {failed[0] if failed else ''}", flush=True)
@@ -118,6 +170,7 @@ def main() -> int:
     p.add_argument("--only", choices=("embedded", "smollm2"), default=None)
     p.add_argument("--warm-runs", type=int, default=1, help="warm runs after the cold one (default 1)")
     p.add_argument("--json", default=None, help="also write the results to this file")
+    p.add_argument("--cpu", action="store_true", help="also print each process's CPU seconds (psutil, sampled)")
     p.add_argument("--keep", default=None, help="run in this folder and keep it (logs of each run); default: a "
                    "temporary folder")
     args = p.parse_args()
@@ -128,7 +181,7 @@ def main() -> int:
             env = {"RELAX_EMBEDDED_CACHE": str(tmp / "embedded-cache")}
             for i in range(1 + args.warm_runs):
                 kind = "cold" if i == 0 else "warm"
-                t = timed_run(tmp / f"embedded-{i}", [], env)
+                t = timed_run(tmp / f"embedded-{i}", [], env, args.cpu)
                 show("embedded", kind, t)
                 results.append({"model": "embedded", "kind": kind, **t})
         if args.only in (None, "smollm2"):
@@ -136,7 +189,7 @@ def main() -> int:
             data = generate_task_dataset(tmp / "word_arith.jsonl", 64, 0, task="word_arith")
             for i in range(1 + args.warm_runs):
                 kind = "cold" if i == 0 else "warm"
-                t = timed_run(tmp / f"smollm2-{i}", smollm2_flags(model, Path(data)), {})
+                t = timed_run(tmp / f"smollm2-{i}", smollm2_flags(model, Path(data)), {}, args.cpu)
                 show("smollm2", kind, t)
                 results.append({"model": "smollm2-135m-shaped", "kind": kind, **t})
     if args.json:

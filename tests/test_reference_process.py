@@ -58,6 +58,54 @@ def test_rows_are_the_in_process_rows(tmp_path, tiny_model):
         child.close()
 
 
+FORK_CHECK = """
+import os, signal, sys
+import torch
+from relax.config import parse_config
+from relax.roles.reference_process import ReferenceProcess, ReferenceProcessError
+sys.path.insert(0, {tests!r})
+from test_reference_process import _inputs
+torch.set_num_threads(1)
+config = parse_config(["--hf-checkpoint", {model!r}, "--output-dir", {out!r}, "--use-kl-loss"])
+inputs = _inputs(9)
+forked, spawned = (ReferenceProcess(config, threads=1, fork=fork) for fork in (True, False))
+def cmdline(pid):
+    with open(f"/proc/{{pid}}/cmdline", "rb") as f:
+        return f.read().split(b"\\0")
+assert cmdline(forked.pid) == cmdline(os.getpid())  # a fork of this interpreter, not a new one
+assert b"relax.roles.reference_child" in cmdline(spawned.pid)
+rows = [child.compute_logprobs(inputs, 0.7) for child in (forked, spawned)]
+assert all(torch.equal(a, b) for a, b in zip(*rows)), "forked rows differ"
+assert forked.weights_checksum() == spawned.weights_checksum()
+assert spawned.close() == 0
+os.kill(forked.pid, signal.SIGKILL)
+try:
+    forked.compute_logprobs(inputs, 0.7)
+except ReferenceProcessError as exc:
+    assert f"pid {{forked.pid}} exited with code -9" in str(exc), exc
+else:
+    raise AssertionError("a killed forked child answered")
+assert forked.close() == -9
+late = ReferenceProcess(config, threads=1, fork=True)
+late.start([x["tokens"].tolist() for x in inputs], [x["response_length"] for x in inputs], 1.0)
+assert late.close() == 0  # no answer read: the pipe's end is the child's end, as a spawned child's
+print("fork ok")
+"""
+
+
+def test_a_forked_child_gives_the_spawned_childs_rows_and_fails_alike(tmp_path, tiny_model):
+    """The rank's constructor forks the child (relax.roles.forked_child): same rows and checksum, bitwise, as a
+    fresh interpreter's; a killed child is named with its exit; the child ends when its pipe closes. Run in a
+    fresh interpreter: this test process may have made an OpenMP thread team, after which a fork is not safe."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = FORK_CHECK.format(tests=str(Path(__file__).parent), model=tiny_model, out=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0 and "fork ok" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
+
+
 def test_a_failed_build_is_the_first_requests_error(tmp_path, tiny_model):
     gone = tmp_path / "gone-model"
     shutil.copytree(tiny_model, gone)

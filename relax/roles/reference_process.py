@@ -14,7 +14,8 @@ shared-memory segment the child copies from, and asks for the passes in parts (`
 first update's samples, then the old and reference rows of each later update's. The rank trains the first update
 while the child computes the rest on the other core (relax.roles.step_passes).
 
-Protocol: two pipes given to `python -m relax.roles.reference_child READ_FD WRITE_FD`, carrying pickled
+Protocol: two pipes given to `python -m relax.roles.reference_child READ_FD WRITE_FD` (or to the same code in a
+child forked from the rank: relax.roles.forked_child), carrying pickled
 messages (`send`, `receive`: plain pickle over `multiprocessing.connection.Connection`'s framing; its own
 `send` would pickle tensors as shared-memory handles, which the child cannot open without multiprocessing's
 authentication key). The parent sends ("setup", config, threads, with_policy) once, then requests
@@ -35,6 +36,7 @@ from typing import Any, Sequence
 
 import torch
 
+from relax.roles.forked_child import ForkedChild
 from relax.weights.shm import ShmSegment, dtype_name
 
 REFERENCE = "ref"  # a part's rows: the reference model's log-probs
@@ -94,13 +96,23 @@ class ReferenceProcess:
 
     _BUILD = "the reference model's build"
 
-    def __init__(self, config: Any, threads: int, timeout_s: float | None = None, with_policy: bool = False):
+    def __init__(self, config: Any, threads: int, timeout_s: float | None = None, with_policy: bool = False,
+                 fork: bool = False):
+        """`fork`: fork the child from this process instead of starting a fresh interpreter; only where no
+        OpenMP thread team and no process group exist yet (relax.roles.forked_child says why)."""
         child_read, parent_write = os.pipe()
         parent_read, child_write = os.pipe()
         self._timeout_s = timeout_s  # --train-step-timeout per request (None: no deadline)
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "relax.roles.reference_child", str(child_read), str(child_write)],
-            pass_fds=(child_read, child_write), close_fds=True)
+        if fork and not torch.distributed.is_initialized():
+            def serve_pipes() -> None:
+                from relax.roles.reference_child import serve
+                serve(Connection(child_read, writable=False), Connection(child_write, readable=False))
+
+            self._proc: Any = ForkedChild(serve_pipes, close_in_child=(parent_read, parent_write))
+        else:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "relax.roles.reference_child", str(child_read), str(child_write)],
+                pass_fds=(child_read, child_write), close_fds=True)
         os.close(child_read)
         os.close(child_write)
         self._send_conn = Connection(parent_write, readable=False)

@@ -91,9 +91,10 @@ class ProcessReference(ReferenceSource):
     overlaps = True
 
     def __init__(self, config: Any, threads: int):
-        # started now, so that its imports and model build overlap the rank's start-up (the first pass waits)
+        # started now, so that its model build overlaps the rank's start-up (the first pass waits); forked, as the
+        # rank's constructor runs before its model is built and its process group made (relax.roles.forked_child)
         self.process = ReferenceProcess(config, threads, timeout_s=config.train_step_timeout or None,
-                                        with_policy=config.reference_placement == REFERENCE_STREAMED)
+                                        with_policy=config.reference_placement == REFERENCE_STREAMED, fork=True)
         self._single: tuple[int, float] | None = None  # (step, start) of a whole pass beside the forward stage
         self._passes: StepPasses | None = None  # the step whose rows arrive in parts
         self.kl_reward = bool(config.kl_coef)  # the advantages read the rows: no parts
