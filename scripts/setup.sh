@@ -14,6 +14,9 @@ fi
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" torch==2.13.0
 "${PIP[@]}" -e ".[test]"
+# Relax's own bytecode, written once: with PYTHONDONTWRITEBYTECODE set (as on some CI machines) every process of
+# a run would compile the modules it imports again (~0.5 CPU s in each of the run's heavier processes).
+.venv/bin/python -m compileall -q relax >/dev/null
 .venv/bin/python - <<'PYCHECK'
 import torch, sys
 if not torch.__version__.startswith("2.13.0"):
