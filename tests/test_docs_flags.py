@@ -36,9 +36,11 @@ FOREIGN = {
     # the benchmark and example scripts docs/benchmarks.md runs (tests/test_readme_commands.py parses each
     # command with its script's own options)
     "--rounds": "benchmarks/plain_loop_bench.py", "--extra": "benchmarks/plain_loop_bench.py, async_bench.py",
-    "--chunks": "benchmarks/async_bench.py", "--skip-loop": "benchmarks/async_bench.py", "--model": "benchmarks/async_bench.py, examples/genrm/measure_judge.py",
+    "--chunks": "benchmarks/async_bench.py", "--skip-loop": "benchmarks/async_bench.py",
+    "--model": "benchmarks/async_bench.py, examples/genrm/measure_judge.py",
     "--data": "benchmarks/async_bench.py", "--warm-runs": "benchmarks/startup_bench.py",
-    "--only": "benchmarks/startup_bench.py", "--out": "benchmarks/seed_sweep.py",
+    "--only": "benchmarks/startup_bench.py", "--cpu": "benchmarks/startup_bench.py",
+    "--keep": "benchmarks/startup_bench.py", "--out": "benchmarks/seed_sweep.py",
     "--prompts": "examples/genrm/measure_judge.py", "--n": "examples/genrm/measure_judge.py",
     "--models": "benchmarks/lora_bench.py, weight_sync_bench.py",
     "--repeats": "benchmarks/lora_bench.py, weight_sync_bench.py",
