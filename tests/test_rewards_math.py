@@ -114,6 +114,30 @@ def test_equivalent_symbolic(pred, gold):
     assert is_equiv(gold, pred)
 
 
+def test_sympy_is_imported_at_the_first_answer_that_needs_it():
+    """A rollout process imports the grader at start-up; sympy comes only with the first symbolic answer, also when
+    several threads grade at once (batched rewards)."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, threading
+from relax.rollout.rewards.math_grader import is_equiv
+assert "sympy" not in sys.modules, "imported with the grader"
+assert is_equiv("0.5", "1/2") and "sympy" not in sys.modules, "imported for numbers"
+results = []
+threads = [threading.Thread(target=lambda: results.append(is_equiv("\\\\sqrt{4}", "2"))) for _ in range(8)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+assert results == [True] * 8 and "sympy" in sys.modules, results
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("pred,gold", NOT_EQUIVALENT)
 def test_not_equivalent(pred, gold):
     assert not is_equiv(pred, gold)

@@ -1,9 +1,10 @@
 """A child process forked from a rank that has imported torch and Megatron but computed nothing yet, with the
 part of `subprocess.Popen` its owner uses (`pid`, `wait`, `kill`).
 
-Why fork: a fresh interpreter (`python -m ...`) imports torch and Megatron again, ~4.5 of the ~5 CPU seconds the
-reference process took at start-up on the embedded default (2 cores, where start-up is bound by the CPU of every
-process starting at once). A forked child has them already.
+Why fork: a fresh interpreter (`python -m ...`) imports torch and Megatron again. Measured at warm embedded-default
+starts (2 cores, where start-up is bound by the CPU of every process starting at once): the reference process took
+3.8-4.1 CPU s as a fresh interpreter, 1.5-1.7 s forked (its model build and passes), and the rank ~0.3 s more (the
+fork and its copy-on-write faults).
 
 When fork is safe here, and why the owner decides:
   * no OpenMP thread team may exist in the parent: a child of a process whose GNU OpenMP ran a parallel region on

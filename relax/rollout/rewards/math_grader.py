@@ -26,6 +26,7 @@ import keyword
 import math
 import random
 import re
+import threading
 from fractions import Fraction
 from typing import Any, Optional
 
@@ -33,18 +34,21 @@ from typing import Any, Optional
 # process paid at start-up, also in runs whose rewards never grade math.
 _sympy: Any = None
 _sympy_tried = False
+_sympy_lock = threading.Lock()  # batched rewards grade on several threads: none may see "tried" before the module
 
 
 def _load_sympy() -> Any:
     """The sympy module, or None without it."""
     global _sympy, _sympy_tried
     if not _sympy_tried:
-        _sympy_tried = True
-        try:
-            import sympy
-        except Exception:  # pragma: no cover - exercised only without sympy
-            sympy = None
-        _sympy = sympy
+        with _sympy_lock:
+            if not _sympy_tried:
+                try:
+                    import sympy
+                except Exception:  # pragma: no cover - exercised only without sympy
+                    sympy = None
+                _sympy = sympy
+                _sympy_tried = True
     return _sympy
 
 __all__ = [
