@@ -20,7 +20,6 @@ from typing import Any
 
 import ray
 import torch
-from transformers import AutoConfig
 
 from relax import heap
 from relax.formats.model_arch import ModelArch
@@ -51,6 +50,7 @@ class CriticWorker(MegatronRank):
 
     def setup(self, master_addr: str, master_port: int, backend: str) -> dict[str, Any]:
         self.join_process_group(master_addr, master_port, backend)
+        from transformers import AutoConfig  # not at the top: the driver imports this module
         arch = ModelArch.from_hf_config(AutoConfig.from_pretrained(self.config.hf_checkpoint))
         self.trainer = MegatronTrainer(arch, critic_settings(self.config))
         self.trainer.load_hf(self.config.hf_checkpoint)

@@ -22,7 +22,6 @@ import os
 from typing import Any
 
 from ray.util.placement_group import remove_placement_group
-from transformers import AutoTokenizer
 
 from relax.backends.sglang.router import RouterProcess
 from relax.roles.placement import cluster_has_gpus, create_placement_group
@@ -76,6 +75,7 @@ class GenRMService:
             self.monitor = HealthMonitor(self.pool, interval_s=c.rollout_health_check_interval,
                                          timeout_s=c.rollout_health_check_timeout,
                                          first_wait_s=c.rollout_health_check_first_wait).start()
+        from transformers import AutoTokenizer  # not at the top: the driver imports this module
         tokenizer = AutoTokenizer.from_pretrained(c.genrm_model_path)
         self.judge = GenRMJudge.from_args(c, self.router.url, tokenizer)
         logger.info("GenRM: %d engine(s) of %s behind %s", len(urls), c.genrm_model_path, self.router.url)

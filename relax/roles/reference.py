@@ -21,7 +21,6 @@ from typing import Any
 
 import ray
 import torch
-from transformers import AutoConfig
 
 from relax import heap
 from relax.formats.model_arch import ModelArch, arch_for_run
@@ -36,6 +35,7 @@ from relax.roles.megatron_settings import build_reference_trainer, trainer_setti
 def _checkpoint_arch(kind: str, where) -> Any:
     """The architecture of an HF folder, or the one a Relax checkpoint recorded (None if it has none)."""
     if kind == "hf":
+        from transformers import AutoConfig  # not at the top: the driver imports this module
         return ModelArch.from_hf_config(AutoConfig.from_pretrained(str(where)))
     arch = read_meta(where).get("arch")
     if not arch:

@@ -26,7 +26,6 @@ from typing import Any
 import ray
 from ray.util.placement_group import remove_placement_group
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
 from relax import heap
 from relax.backends.relax_router.process import router_from_config
@@ -138,6 +137,7 @@ class RolloutManager:
         # --use-health-check: beats from a thread of its own (relax.core.health), from the constructor on, so that
         # a killed or hung (stopped) manager is found by name and the run restarted as for a trainer rank
         self._heartbeat = start_heartbeat(self, role="rollout")
+        from transformers import AutoTokenizer  # not at the top: the driver imports this module
         self.tokenizer = AutoTokenizer.from_pretrained(config.hf_checkpoint)
         self.encoder = PromptEncoder.from_args(config, self.tokenizer)
         # replaying saved rollouts needs no prompts

@@ -19,8 +19,6 @@ import inspect
 import logging
 from typing import Any, Sequence
 
-from transformers import AutoTokenizer
-
 from relax.data.sample import Sample
 from relax.rollout.context import call_flexible, load_hook
 from relax.rollout.data_source import PromptDataSource
@@ -40,6 +38,7 @@ class RolloutDataSourceWithBuffer:
         self.args = args
         if prompt_encoder is None:
             if tokenizer is None:
+                from transformers import AutoTokenizer  # not at the top: the driver imports this module
                 tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
             prompt_encoder = PromptEncoder.from_args(args, tokenizer)
         self.encoder = prompt_encoder
