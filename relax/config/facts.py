@@ -126,16 +126,23 @@ SHARE_IDLE_CORES_ENV = "RELAX_SHARE_IDLE_CORES"
 IDLE_CORES_MIN_WIDTH = 256
 
 
+def read_hf_config(path: Any) -> Optional[dict]:
+    """`<path>/config.json` as read from the file (no transformers import: ~2 s before Ray), None when it is
+    missing or cannot be read."""
+    try:
+        return json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+
+
 def model_width(v: Mapping[str, Any]) -> Optional[int]:
     """The trained model's hidden size: its --hf-checkpoint's config.json (the embedded default's built-in
     architecture before its folder is written), else --hidden-size; None when unknown."""
     path = v.get("hf_checkpoint")
     if path:
-        config_file = Path(path) / "config.json"
-        if config_file.is_file():
-            try:
-                hf = json.loads(config_file.read_text())
-            except (OSError, ValueError):
+        if (Path(path) / "config.json").is_file():
+            hf = read_hf_config(path)
+            if hf is None:
                 return None
             hf = hf.get("text_config") or hf  # multimodal configs hold the language model's sizes there
             width = hf.get("hidden_size") or hf.get("d_model") or hf.get("n_embd")

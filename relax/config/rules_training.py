@@ -1,15 +1,13 @@
 """Cross-flag rules of training features: functions (values, explicit) -> None raising ConfigError.
 validate.py runs every function listed in RULES after its own rules."""
 
-import json
 import math
-from pathlib import Path
 from typing import Optional
 
 from relax.formats.checkpoint_layout import MARKER, latest_iteration
 from relax.config import rules_checkpoint, rules_ddp, rules_lora
 from relax.config.errors import ConfigError
-from relax.config.facts import needs_reference
+from relax.config.facts import needs_reference, read_hf_config
 
 
 def check_reference(v: dict, explicit) -> None:
@@ -132,9 +130,8 @@ def check_old_policy(v: dict, explicit) -> None:
 # MoE routing replay --------------------------------------------------------------------------------------------
 def _hf_num_experts(path) -> int | None:
     """Experts per MoE layer from `<path>/config.json` (0 for a dense model), None when it cannot be read."""
-    try:
-        cfg = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError, TypeError):
+    cfg = read_hf_config(path)
+    if cfg is None:
         return None
     return int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
 
