@@ -26,7 +26,14 @@ def test_samples_per_step_and_the_data_queue_are_stored_once(tmp_path):
 
 @pytest.mark.parametrize("flags, placement", [
     (KL + ["--debug-rollout-only"], facts.NO_REFERENCE),
-    (KL + ["--fully-async"], facts.REFERENCE_ROLE),  # a later step's reference pass runs beside an update
+    # fully-async, one rank: the child's pass and old-policy rows run beside the step's own update
+    (KL + ["--fully-async", "--max-staleness", "1"], facts.REFERENCE_STREAMED),
+    # ... with streamed chunks the reference role computes each chunk's rows
+    (KL + ["--fully-async", "--num-iters-per-train-update", "2", "--rollout-batch-size", "4",
+           "--n-samples-per-prompt", "2", "--global-batch-size", "8"], facts.REFERENCE_ROLE),
+    # ... with two ranks a later step's reference pass runs beside an update, off the ranks' critical path
+    (KL + ["--fully-async", "--resource", '{"actor": [1, 2], "rollout": [1, 1]}', "--micro-batch-size", "64"],
+     facts.REFERENCE_ROLE),
     (KL + ["--ref-update-interval", "2"], facts.REFERENCE_ROLE),  # refreshed from the actor: a role of its own
     (KL + ["--offload-train"], facts.REFERENCE_ROLE),  # the actor is not resident
     (KL + ["--resource", '{"actor": [1, 2], "rollout": [1, 1]}', "--micro-batch-size", "64"],
@@ -50,6 +57,16 @@ def test_the_reference_placement_is_decided_once_in_validation(tmp_path, flags, 
         assert not said
     else:
         assert said == [f"reference log-probs: {facts.REFERENCE_WHERE[placement]}"]
+
+
+def test_a_fully_async_trainer_that_takes_idle_cores_keeps_the_reference_role(tmp_path, monkeypatch):
+    """The child process does not mark its core busy on the core board (relax.wire.core_share): a trainer that
+    takes idle cores would compute on it."""
+    flags = [*KL, "--fully-async", "--max-staleness", "1"]
+    monkeypatch.setenv(facts.SHARE_IDLE_CORES_ENV, "1")
+    assert _config(tmp_path, *flags).reference_placement == facts.REFERENCE_ROLE
+    monkeypatch.setenv(facts.SHARE_IDLE_CORES_ENV, "0")
+    assert _config(tmp_path, *flags).reference_placement == facts.REFERENCE_STREAMED
 
 
 def test_no_kl_term_needs_no_reference(tmp_path):

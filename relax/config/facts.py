@@ -173,19 +173,41 @@ def shares_idle_cores(v: Mapping[str, Any]) -> bool:
 def reference_placement(v: Mapping[str, Any], actor_world_size: int) -> str:
     """Where the reference runs (one of `REFERENCE_PLACEMENTS`), decided once, in validation.
 
-    Inside the actor's ranks in a synchronous run without GPUs whose reference is never refreshed from the
-    actor (--ref-update-interval), with the actor resident (no --colocate / --offload-train). Why: on CPU the
-    reference model is a second copy beside the actor's in host memory either way; a role of its own costs a Ray
-    actor to place and start, a Ray call and a data-plane read of the step per step, where in the trainer the
-    step's samples read for the reference are the ones the actor's forward stage reads next. A one-rank actor
-    runs it in a child process (relax.roles.reference_process: its pass beside the actor's on the other core);
-    with more ranks it shares the ranks' model-parallel groups and runs in the rank's own process. On GPU a
-    separate reference keeps its own devices, so it stays a role there; with --fully-async the reference of a
-    later step may run beside an update."""
+    Inside the actor's ranks on CPU when its reference is never refreshed from the actor (--ref-update-interval)
+    and the actor is resident (no --colocate / --offload-train). Why: on CPU the reference model is a second copy
+    beside the actor's in host memory either way; a role of its own costs a Ray actor to place and start, a Ray
+    call and a data-plane read of the step per step, where in the trainer the step's samples read for the
+    reference are the ones the actor's forward stage reads next. A one-rank actor runs it in a child process
+    (relax.roles.reference_process: its pass beside the actor's on the other core); with more ranks it shares the
+    ranks' model-parallel groups and runs in the rank's own process. On GPU a separate reference keeps its own
+    devices, so it stays a role there.
+
+    Fully-async runs (`fully_async_reference_in_child`) keep the child process of a one-rank actor, whose pass
+    (and the later updates' old-policy rows) runs beside the step's own update; otherwise the reference is a
+    role, whose pass of a later step runs beside an update (`Stages.ahead`), since a reference in the ranks'
+    own processes would run on the update's critical path."""
     if not needs_reference(v) or v["debug_rollout_only"]:
         return NO_REFERENCE
-    if v["fully_async"] or v["ref_update_interval"] or v["colocate"] or v["offload_train"] or driver_has_gpu():
+    if v["ref_update_interval"] or v["colocate"] or v["offload_train"] or driver_has_gpu():
+        return REFERENCE_ROLE
+    if v["fully_async"] and not (actor_world_size == 1 and fully_async_reference_in_child(v)):
         return REFERENCE_ROLE
     if actor_world_size > 1:
         return REFERENCE_IN_RANK
     return REFERENCE_STREAMED if streams_old_logprobs(v) else REFERENCE_CHILD
+
+
+def fully_async_reference_in_child(v: Mapping[str, Any]) -> bool:
+    """Whether a fully-async run's one-rank actor keeps its reference in a child process (as a synchronous run
+    does) rather than a reference role of its own.
+
+    The child computes the step's reference rows (and, with several updates per rollout, the later updates'
+    old-policy rows) on the other core while the step's first update trains; the role computes the next step's
+    reference rows while this step trains, and leaves the old-policy pass of every sample on the trainer before
+    its first update. Measured on the embedded default (benchmarks/async_bench.py, async S=1, 2 cores, alternated
+    twice): 0.593 and 0.673 s a step with the role, 0.528 and 0.657 with the child.
+
+    Not when the trainer takes idle cores (`shares_idle_cores`): the child does not mark the cores it computes on
+    on the core board (relax.wire.core_share), so the trainer would take its core. Not with streamed chunks
+    (--num-iters-per-train-update > 1), whose reference rows are the role's per chunk (relax.core.streaming)."""
+    return v["num_iters_per_train_update"] <= 1 and not shares_idle_cores(v)
