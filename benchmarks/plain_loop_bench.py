@@ -344,7 +344,8 @@ def run_round(args: argparse.Namespace, root: Path, parse_config) -> tuple[list[
                   f"{r['ref']:.2f}, train {r['train']:.2f}, sync {r['sync']:.3f}) reward {r['reward']:.3f}")
         print(f"relax launch to first step: {launch:.1f} s" if launch is not None else "launch: unknown")
     if not args.skip_loop:
-        config = parse_config(["--output-dir", str(root / "loop"), *args.extra])
+        # --num-rollout as relax-train's run has it: a run with its own --prompt-data needs it to parse
+        config = parse_config(["--output-dir", str(root / "loop"), "--num-rollout", str(args.steps), *args.extra])
         # A Relax trainer actor's torch threads (relax/core/controller.py).
         world = config.resource["actor"][0] * config.resource["actor"][1]
         threads = args.threads or threads_per_process(world)
