@@ -71,8 +71,8 @@ def test_a_fully_async_trainer_that_takes_idle_cores_keeps_the_reference_role(tm
 
 def test_no_kl_term_needs_no_reference(tmp_path):
     values = {**_config(tmp_path, *KL), "use_kl_loss": False, "kl_coef": 0.0}
-    assert facts.reference_placement(values, 1) == facts.NO_REFERENCE
-    assert facts.reference_placement({**values, "kl_coef": 0.05}, 1) != facts.NO_REFERENCE  # a KL reward needs one
+    assert facts.reference_placement(values, 1, False) == facts.NO_REFERENCE
+    assert facts.reference_placement({**values, "kl_coef": 0.05}, 1, False) != facts.NO_REFERENCE  # a KL reward needs one
 
 
 def test_a_gpu_makes_the_reference_a_role(tmp_path, monkeypatch):

@@ -59,7 +59,7 @@ def test_rows_are_the_in_process_rows(tmp_path, tiny_model):
 
 
 FORK_CHECK = """
-import os, signal, sys
+import os, signal, sys, time
 import torch
 from relax.config import parse_config
 from relax.roles.reference_process import ReferenceProcess, ReferenceProcessError
@@ -70,10 +70,16 @@ config = parse_config(["--hf-checkpoint", {model!r}, "--output-dir", {out!r}, "-
 inputs = _inputs(9)
 forked, spawned = (ReferenceProcess(config, threads=1, fork=fork) for fork in (True, False))
 def cmdline(pid):
-    with open(f"/proc/{{pid}}/cmdline", "rb") as f:
-        return f.read().split(b"\\0")
+    # read until the kernel shows one (empty while the process is still being set up on a loaded machine)
+    for _ in range(50):
+        with open(f"/proc/{{pid}}/cmdline", "rb") as f:
+            args = f.read()
+        if args:
+            return args.split(b"\\0")
+        time.sleep(0.1)
+    return []
 # a fork of this interpreter, not a new one (a library may retitle the process: its command line is not compared)
-assert b"relax.roles.reference_child" in cmdline(spawned.pid)
+assert b"relax.roles.reference_child" in cmdline(spawned.pid), cmdline(spawned.pid)
 assert b"relax.roles.reference_child" not in cmdline(forked.pid), cmdline(forked.pid)
 rows = [child.compute_logprobs(inputs, 0.7) for child in (forked, spawned)]
 assert all(torch.equal(a, b) for a, b in zip(*rows)), "forked rows differ"

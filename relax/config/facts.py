@@ -170,8 +170,9 @@ def shares_idle_cores(v: Mapping[str, Any]) -> bool:
     return forced == "1" or (model_width(v) or 0) >= IDLE_CORES_MIN_WIDTH
 
 
-def reference_placement(v: Mapping[str, Any], actor_world_size: int) -> str:
-    """Where the reference runs (one of `REFERENCE_PLACEMENTS`), decided once, in validation.
+def reference_placement(v: Mapping[str, Any], actor_world_size: int, takes_idle_cores: bool) -> str:
+    """Where the reference runs (one of `REFERENCE_PLACEMENTS`), decided once, in validation. `takes_idle_cores`:
+    the run's `shares_idle_cores` fact.
 
     Inside the actor's ranks on CPU when its reference is never refreshed from the actor (--ref-update-interval)
     and the actor is resident (no --colocate / --offload-train). Why: on CPU the reference model is a second copy
@@ -190,14 +191,14 @@ def reference_placement(v: Mapping[str, Any], actor_world_size: int) -> str:
         return NO_REFERENCE
     if v["ref_update_interval"] or v["colocate"] or v["offload_train"] or driver_has_gpu():
         return REFERENCE_ROLE
-    if v["fully_async"] and not (actor_world_size == 1 and fully_async_reference_in_child(v)):
+    if v["fully_async"] and not (actor_world_size == 1 and fully_async_reference_in_child(v, takes_idle_cores)):
         return REFERENCE_ROLE
     if actor_world_size > 1:
         return REFERENCE_IN_RANK
     return REFERENCE_STREAMED if streams_old_logprobs(v) else REFERENCE_CHILD
 
 
-def fully_async_reference_in_child(v: Mapping[str, Any]) -> bool:
+def fully_async_reference_in_child(v: Mapping[str, Any], takes_idle_cores: bool) -> bool:
     """Whether a fully-async run's one-rank actor keeps its reference in a child process (as a synchronous run
     does) rather than a reference role of its own.
 
@@ -207,7 +208,8 @@ def fully_async_reference_in_child(v: Mapping[str, Any]) -> bool:
     its first update. Measured on the embedded default (benchmarks/async_bench.py, async S=1, 2 cores, alternated
     twice): 0.593 and 0.673 s a step with the role, 0.528 and 0.657 with the child.
 
-    Not when the trainer takes idle cores (`shares_idle_cores`): the child does not mark the cores it computes on
-    on the core board (relax.wire.core_share), so the trainer would take its core. Not with streamed chunks
-    (--num-iters-per-train-update > 1), whose reference rows are the role's per chunk (relax.core.streaming)."""
-    return v["num_iters_per_train_update"] <= 1 and not shares_idle_cores(v)
+    Not when the trainer takes idle cores (`takes_idle_cores`, the `shares_idle_cores` fact): the child does not
+    mark the cores it computes on on the core board (relax.wire.core_share), so the trainer would take its core.
+    Not with streamed chunks (--num-iters-per-train-update > 1), whose reference rows are the role's per chunk
+    (relax.core.streaming)."""
+    return v["num_iters_per_train_update"] <= 1 and not takes_idle_cores

@@ -462,6 +462,7 @@ DERIVED_FACTS: dict[str, str] = {
 def derived_facts(v: dict) -> dict[str, Any]:
     """`DERIVED_FACTS` of completed values (after `validate_and_derive`)."""
     world = facts.role_workers(v, "actor")
+    shares_cores = facts.shares_idle_cores(v)  # reads the model's config.json: once, for both facts that need it
     if v["rollout_external"]:
         engines = len(v["rollout_external_engine_addrs"] or [])
     else:
@@ -470,8 +471,8 @@ def derived_facts(v: dict) -> dict[str, Any]:
             "num_engines": engines, "samples_per_step": facts.samples_per_step(v),
             "data_queue_samples": facts.data_queue_samples(v),
             "model_parallel_size": facts.model_parallel_size(v),
-            "reference_placement": facts.reference_placement(v, world),
-            "shares_idle_cores": facts.shares_idle_cores(v)}
+            "reference_placement": facts.reference_placement(v, world, shares_cores),
+            "shares_idle_cores": shares_cores}
 
 
 def check_batch_arithmetic(v: dict, explicit) -> None:
