@@ -1,6 +1,7 @@
 """Start-up import costs: the trainer's modules and the data plane import without torch._dynamo and the inductor
 (relax.lazy_jit, relax.data.tensordict_import), and Megatron's jit fuser still compiles, at
-its function's first call, with the options it was given."""
+its function's first call, with the options it was given. The driver imports the controller and every role's
+actor class without Megatron-core or transformers (relax.roles.megatron_rank)."""
 
 import subprocess
 import sys
@@ -23,6 +24,22 @@ def test_trainer_and_data_plane_import_without_dynamo():
     line = [x for x in out.stdout.splitlines() if x.startswith("LOADED")][0]
     # Megatron's fuser is the deferring torch.compile; the fused functions keep their names
     assert line == "LOADED [] compile_later swiglu", line
+
+
+_DRIVER = """
+import sys
+import relax.entrypoints.train, relax.core.controller
+import relax.roles.trainer, relax.roles.critic, relax.roles.reference, relax.roles.genrm, relax.roles.engine
+import relax.roles.rollout, relax.core.checkpointing
+print("LOADED", sorted(m for m in ("megatron", "transformers", "sympy") if m in sys.modules))
+"""
+
+
+def test_the_driver_imports_the_roles_without_megatron():
+    out = subprocess.run([sys.executable, "-c", _DRIVER], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = [x for x in out.stdout.splitlines() if x.startswith("LOADED")][0]
+    assert line == "LOADED []", line
 
 
 def test_deferred_compile_compiles_once_at_first_call_with_its_options():

@@ -21,7 +21,9 @@ optimizer and LR schedule, the trainer's RNG and the rollout position not restor
 --finetune); `--pretrained-checkpoint` is where the weights come from (with --finetune's meaning) while
 `--load` holds no checkpoint yet.
 
-The trainer-side parts run inside each `TrainerWorker` actor through Ray's `__ray_call__`.
+The trainer-side parts run inside each `TrainerWorker` actor through Ray's `__ray_call__`. They import the
+backend's checkpoint module, which loads Megatron-core, where they run rather than at the top: the driver imports
+this module as well, and Megatron's import would cost it seconds of CPU at every launch.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ from typing import Any, Optional
 import ray
 
 from relax.formats import checkpoint_layout as layout
-from relax.backends.megatron.checkpoint import finish_hf_folder, load_weights_only, snapshot_rank, write_rank
 from relax.formats.checkpoint_layout import (MARKER, iter_dir, iterations_to_delete, latest_iteration,
                                                        select_iteration)
 
@@ -64,6 +65,8 @@ def _worker_save(worker: Any, actor_dir: str, save_optim: bool, background: bool
                  hf_dir: Optional[str]) -> dict[str, Any]:
     """Snapshot this rank's trainer state and write it under `actor_dir` (now, or from a background thread).
     With `hf_dir`, also export the HF weights (collective) and write this pipeline stage's part there."""
+    from relax.backends.megatron.checkpoint import snapshot_rank, write_rank
+
     _worker_wait_previous(worker)
     snap = snapshot_rank(worker.trainer, save_optim=save_optim, hf=hf_dir is not None)
     result = {"rank": snap.rank, "meta": snap.meta, "hf": snap.hf_part()}
@@ -96,6 +99,8 @@ def _worker_save_status(worker: Any) -> str:
 
 
 def _worker_load_weights_only(worker: Any, actor_dir: str) -> int:
+    from relax.backends.megatron.checkpoint import load_weights_only
+
     return load_weights_only(worker.trainer, actor_dir)
 
 
@@ -217,6 +222,8 @@ def _finish(root: Path, rollout_id: int, tmp: Path, meta: dict, rollout_state: A
     _write_rollout_state(tmp, rollout_id, rollout_state)
     layout.commit_iteration(root, rollout_id)
     if hf_tmp is not None:
+        from relax.backends.megatron.checkpoint import finish_hf_folder
+
         finish_hf_folder(hf_tmp, hf_parts, config.hf_checkpoint)
         if hf_final.exists():
             shutil.rmtree(hf_final)

@@ -25,7 +25,8 @@ from relax.config.config import Config
 from relax.config.env import threads_per_process, worker_env
 from relax.config.support_gpu import flight_recorder_env
 from relax.core.async_loop import AsyncLoop
-from relax.core.calls import descendants, run_bounded, run_quietly, set_watch, stop_processes, wait_all, wait_quietly
+from relax.core.calls import (BoundedCall, descendants, run_bounded, run_quietly, set_watch, start_bounded,
+                              stop_processes, wait_all, wait_quietly)
 from relax.core.deadlines import FLAGS, Call
 from relax.formats.checkpoint_layout import iter_dir
 from relax.core.checkpointing import resume_from, save_checkpoint, wait_for_pending_save
@@ -72,6 +73,8 @@ class Controller:
         # (actor, ref of its start) of the rollout engines begun before the rollout manager took them over; the
         # driver owns these actors, so the shutdown kills them too
         self._launched_engines: list[tuple[Any, Any]] | None = None
+        # the data plane's start in a thread of its own (`start`), until it is the run's (`ctx.data`)
+        self._data_start: BoundedCall | None = None
         self.placement_groups: list[Any] = []
         self.metrics_service = None  # the --use-metrics-service actor (relax.observability.metrics_service)
         # Processes this one had started before the run (e.g. a test's servers): the shutdown leaves them alone.
@@ -115,8 +118,9 @@ class Controller:
         self.placement_groups = list({id(pg): pg for pg in (pg_actor, pg_rollout) if pg is not None}.values())
 
         # Start-up overlaps: every role's actors are created first (each a process that imports torch, Megatron
-        # or SGLang for seconds), then TransferQueue starts while they import, and only then does the
-        # controller wait for each role in turn. Nothing reads the data plane before its setup call.
+        # or SGLang for seconds), then TransferQueue starts in a thread while they import and the trainer ranks
+        # build their models, and only then does the controller wait for each role in turn. Nothing reads the
+        # data plane before the trainer ranks attach to it (`_setup_trainers`) and the auxiliary roles' setup.
         self._pg_actor, self._use_gpu, self._engine_key = pg_actor, use_gpu, engine_key
         created = time.time()
         run.workers = self._create_trainers()
@@ -138,16 +142,14 @@ class Controller:
             engines_ref = run.rollout.start_engines.remote(pg_rollout, weight_source=run.weight_source(),
                                                            launched=self._launched_engines)
         timeline.record("create the roles' actors", created, time.time(), cat="startup")
-        data_start = time.time()
-                # "packed" moves each sample as one record: 3-5x faster than one message part per field.
-        run.data = DataPlane.start(c.num_data_storage_units, capacity_samples=c.data_queue_samples,
-                                   polling_mode=c.polling_mode, layout="packed")
-        timeline.record("start the data plane", data_start, time.time(), cat="startup")
+        # TransferQueue's controller and storage units start (one process after the other) while the trainer ranks
+        # build their models; the ranks attach once both are done.
+        self._data_start = start_bounded(self._start_data_plane, Call("data plane", "start"), deadline_s=None, flag="")
+        with timeline.span("set up the trainer ranks", cat="startup"):
+            self._setup_trainers()
         if run.health is not None:  # actors without heartbeats of their own: probed instead
             run.health.watch_actors({**run.data.actors(), **({"metrics service": self.metrics_service}
                                                                if self.metrics_service is not None else {})})
-        with timeline.span("set up the trainer ranks", cat="startup"):
-            self._setup_trainers()
         with timeline.span("set up the auxiliary roles", cat="startup"):
             run.aux = build_aux_roles(c, use_gpu=use_gpu, data_plane=run.data, launched=launched_aux)
         run.stages = Stages(c, run.aux, trainers=run.trainers, trainer0=run.trainer0, bounded=run.bounded)
@@ -182,14 +184,27 @@ class Controller:
             for rank in range(actor_world)
         ]
 
+    def _start_data_plane(self) -> DataPlane:
+        c = self.ctx.config
+        started = time.time()
+        # "packed" moves each sample as one record: 3-5x faster than one message part per field.
+        data = DataPlane.start(c.num_data_storage_units, capacity_samples=c.data_queue_samples,
+                               polling_mode=c.polling_mode, layout="packed")
+        timeline.record("start the data plane", started, time.time(), cat="startup")
+        return data
+
     def _setup_trainers(self) -> None:
-        """Wait for the trainer ranks' processes and build their models (one torch.distributed group)."""
+        """Wait for the trainer ranks' processes, build their models (one torch.distributed group) and attach them
+        to the data plane, once it has started."""
         run, c = self.ctx, self.ctx.config
         master_addr, master_port = wait_all([run.workers[0].master_address.remote()],
                                             [Call("trainer", "start", rank=0)],  # the actor's creation, too
                                             deadline_s=run.deadlines.train_s, flag=FLAGS["train"])[0]
         backend = c.distributed_backend if self._use_gpu else "gloo"
         infos = run.trainers("setup", "setup", None, master_addr, master_port, backend)
+        if run.data is None:
+            run.data = self._data_start.wait()
+        run.trainers("attach_data_plane", "attach to the data plane", None)
         run.worker_where = [info.get("where") for info in infos]
         logger.info("trainer: %d rank(s), data-parallel %d, %d parameters", c.actor_world_size, infos[0]["dp"],
                     infos[0]["params"])
@@ -364,6 +379,8 @@ class Controller:
             run_quietly(lambda: stop_metrics_service(self.metrics_service), grace, "stop the metrics service")
         if self.data is not None:
             run_quietly(self.data.shutdown, grace, "stop the data plane")
+        elif self._data_start is not None:  # the start-up failed while the data plane started: stop what it started
+            run_quietly(lambda: self._data_start.wait().shutdown(), grace, "stop the data plane")
         for pg in self.placement_groups + aux_groups:
             try:
                 remove_placement_group(pg)

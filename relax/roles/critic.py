@@ -23,7 +23,6 @@ import torch
 
 from relax import heap
 from relax.formats.model_arch import ModelArch
-from relax.backends.megatron.trainer import MegatronTrainer
 from relax.data.plane import DataPlane
 from relax.observability import timeline
 from relax.roles.megatron_rank import MegatronRank
@@ -50,7 +49,10 @@ class CriticWorker(MegatronRank):
 
     def setup(self, master_addr: str, master_port: int, backend: str) -> dict[str, Any]:
         self.join_process_group(master_addr, master_port, backend)
-        from transformers import AutoConfig  # not at the top: the driver imports this module
+        # not at the top: the driver imports this module for the actor class
+        from transformers import AutoConfig
+        from relax.backends.megatron.trainer import MegatronTrainer  # loads Megatron-core
+
         arch = ModelArch.from_hf_config(AutoConfig.from_pretrained(self.config.hf_checkpoint))
         self.trainer = MegatronTrainer(arch, critic_settings(self.config))
         self.trainer.load_hf(self.config.hf_checkpoint)

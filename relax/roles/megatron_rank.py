@@ -1,5 +1,9 @@
 """What every Megatron rank actor (actor, reference, teacher, critic) shares: thread count, its place in
-the group, the rendezvous address of rank 0, and joining the process group."""
+the group, the rendezvous address of rank 0, and joining the process group.
+
+The roles' modules import the backend's (relax.backends.megatron) inside the methods that use them: the driver
+imports these modules for their Ray actor classes alone, and the backend loads Megatron-core (seconds of CPU at
+every launch). tests/test_driver_imports.py keeps it out."""
 
 from __future__ import annotations
 
@@ -10,7 +14,6 @@ from typing import Any
 
 import ray
 
-from relax.backends.megatron.model import weights_checksum
 from relax.observability.heartbeat import start_heartbeat
 from relax.observability import timeline
 from relax.weights.sync import close_all as close_weight_syncs
@@ -76,6 +79,8 @@ class MegatronRank:
             raise ValueError(f"rank {self.rank} holds no {model} model")
         if hasattr(owner, "weights_checksum"):  # the reference in a process of its own (ReferenceProcess)
             return owner.weights_checksum()
+        from relax.backends.megatron.model import weights_checksum  # not at the top: loads Megatron-core
+
         return weights_checksum(owner.gpt_model)
 
     # --offload-train / --colocate: free the trainer's memory while the engines run (relax.core.colocate)

@@ -3,7 +3,9 @@
 
 Apart from the roles' Ray actors (relax.roles.trainer and its siblings) so that the reference's child process
 (relax.roles.reference_child) builds its model without importing Ray, the data plane or the rewards (~0.5 s of
-CPU at every start on 2 cores)."""
+CPU at every start on 2 cores). Megatron-core itself loads only where a model is built (`build_reference_trainer`):
+the driver imports this module through the roles' actor classes, and Megatron's import would cost it seconds of CPU
+at every launch."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import Any
 
 from relax.formats.model_arch import arch_for_run
 from relax.backends.megatron.lora import lora_settings
-from relax.backends.megatron.trainer import MegatronTrainer, TrainerSettings
+from relax.backends.megatron.settings import TrainerSettings
 from relax.config.megatron_options import options_from_config
 from relax.config.support_gpu import GPU_ONLY_REASONS
 
@@ -58,9 +60,11 @@ def trainer_settings(config: Any, *, forward_only: bool = False):
     )
 
 
-def build_reference_trainer(config: Any) -> tuple[MegatronTrainer, str]:
+def build_reference_trainer(config: Any) -> tuple[Any, str]:
     """The reference model (forward only, the actor's architecture and parallel layout): --hf-checkpoint's weights,
-    then --ref-load's if given. Returns (trainer, where its weights came from)."""
+    then --ref-load's if given. Returns (a MegatronTrainer, where its weights came from)."""
+    from relax.backends.megatron.trainer import MegatronTrainer  # loads Megatron-core: see the module docstring
+
     trainer = MegatronTrainer(arch_for_run(config), trainer_settings(config, forward_only=True))
     source = "random"
     if config.hf_checkpoint:

@@ -25,7 +25,6 @@ import torch
 from relax import heap
 from relax.formats.model_arch import ModelArch, arch_for_run
 from relax.formats.checkpoint_layout import read_meta, resolve_model_checkpoint
-from relax.backends.megatron.trainer import MegatronTrainer
 from relax.data.plane import DataPlane
 from relax.observability import timeline
 from relax.roles.megatron_rank import MegatronRank
@@ -59,6 +58,8 @@ class ReferenceWorker(MegatronRank):
         if self.role == "teacher":
             kind, where = resolve_model_checkpoint(self.config.opd_teacher_load, self.config.opd_teacher_ckpt_step)
             arch = _checkpoint_arch(kind, where) or arch_for_run(self.config)
+            from relax.backends.megatron.trainer import MegatronTrainer  # not at the top: loads Megatron-core
+
             self.trainer = MegatronTrainer(arch, settings)
             source = self.trainer.load_weights(where)
             self.data = DataPlane.attach()

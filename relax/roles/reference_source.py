@@ -25,7 +25,6 @@ from typing import Any, Callable
 import torch
 
 from relax.backends.megatron.cpu_compat import native_device_ops
-from relax.backends.megatron.model import weights_checksum
 from relax.config.facts import REFERENCE_CHILD, REFERENCE_STREAMED
 from relax.data.sample import Sample
 from relax.observability import timeline
@@ -69,6 +68,8 @@ class ReferenceSource:
         raise NotImplementedError(f"{type(self).__name__} runs no pass in parts")
 
     def weights_checksum(self) -> float:
+        from relax.backends.megatron.model import weights_checksum  # not at the top: see relax.roles.megatron_rank
+
         return weights_checksum(self._model().gpt_model)
 
     def _model(self) -> Any:

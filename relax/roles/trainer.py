@@ -10,17 +10,14 @@ from typing import Any
 import ray
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 
 from relax import heap
 from relax.formats.model_arch import arch_for_run
 from relax.backends.megatron.cpu_compat import native_device_ops
 from relax.backends.megatron.hf_weights import unwrap_model
-from relax.backends.megatron.layer_hooks import at_every_layer
 from relax.backends.megatron.lora import load_adapters
 from relax.backends.megatron.lora_sync import push_for_config as push_adapter_for_config
 from relax.backends.megatron.optim import gather_params
-from relax.backends.megatron.trainer import MegatronTrainer
 from relax.config.facts import REFERENCE_IN_RANK, needs_reference
 from relax.config.rules_lora import adapter_sync
 from relax.data.plane import DataPlane
@@ -77,7 +74,11 @@ class TrainerWorker(MegatronRank):
         self._prefetched: dict[int, list[Sample]] = {}
         # the reference rows when the reference runs in this rank (config.reference_placement, relax.config.facts;
         # relax.roles.reference_source): the one rank's child process starts now, so that its imports and model
-        # build overlap this rank's start-up; an in-rank model is built in `setup`, in the ranks' groups
+        # build overlap this rank's start-up; an in-rank model is built in `setup`, in the ranks' groups. The
+        # backend (Megatron-core) is imported first, in this process (the driver imports this module for the actor
+        # class alone: relax.roles.megatron_rank), so that a forked child has it already (relax.roles.forked_child).
+        import relax.backends.megatron.trainer  # noqa: F401
+
         self.reference: ReferenceSource | None = reference_for_rank(config, torch.get_num_threads())
         self._streaming: dict[str, Any] | None = None  # the step trained in chunks (`train_chunk`)
         # --use-pytorch-profiler sections and --memory-snapshot-num-steps records of this rank
@@ -91,6 +92,8 @@ class TrainerWorker(MegatronRank):
             install_cuda_memory_check()
         # The --hf-checkpoint model (architecture flags given with it were checked to agree before the run), else
         # the model the architecture flags describe, randomly initialised until --ref-load or --load fills it.
+        from relax.backends.megatron.trainer import MegatronTrainer  # not at the top: see relax.roles.megatron_rank
+
         self.trainer = MegatronTrainer(arch_for_run(self.config), trainer_settings(self.config))
         if self.config.hf_checkpoint:
             self.trainer.load_hf(self.config.hf_checkpoint)
@@ -103,14 +106,20 @@ class TrainerWorker(MegatronRank):
         if self.config.reference_placement == REFERENCE_IN_RANK:  # sharing the actor's model-parallel groups
             with _random_state_kept():
                 self.reference = InRankReference(build_reference_trainer(self.config)[0])
-        self.data = DataPlane.attach()
         if self.core_board is not None:  # --fully-async on CPU: the cores the rollout leaves idle
             self.elastic = ElasticThreads(self.core_board, self.threads, node_cores() // self.world_size,
                                           torch.set_num_threads)
+            from relax.backends.megatron.layer_hooks import at_every_layer
+
             at_every_layer(self.trainer.model, self.elastic.apply)
         heap.freeze()  # the models and the optimizer live as long as the rank (relax.heap)
         return {"rank": self.rank, "dp": self.trainer.layout.dp, "where": self.where(), "params": sum(
             p.numel() for p in self.trainer.gpt_model.parameters())}
+
+    def attach_data_plane(self) -> None:
+        """Connect to the run's data plane. Called after `setup`, once the controller has started the data plane:
+        the model builds while the data plane's processes start."""
+        self.data = DataPlane.attach()
 
     def _elastic_begin(self) -> None:
         """A step's first stage: its mean thread count (reported with the update) starts here."""
@@ -409,6 +418,8 @@ class TrainerWorker(MegatronRank):
             return named
         if (layout.tp_rank, layout.cp_rank, layout.dp_rank) != (0, 0, 0):
             return named  # not in rank 0's pipeline: its copy of the weights is not sent
+        from megatron.core import parallel_state as ps
+
         group = ps.get_pipeline_model_parallel_group()
         mine = [(name, t.detach().cpu()) for name, t in named]
         stages = [None] * layout.pp if self.rank == 0 else None

@@ -20,7 +20,6 @@ from typing import Any, Sequence
 
 import torch
 
-from relax.backends.megatron.accumulate import ChunkedStep
 from relax.config.facts import needs_reference
 from relax.data.sample import Sample
 from relax.training.objective import PolicyObjective
@@ -36,6 +35,9 @@ class StreamingUpdate:
         self.trainer, self.config, self.step = trainer, config, step
         self.update_actor = actor_updates_at(config, step)
         objective = PolicyObjective.from_config(config)
+        # not at the top: it loads Megatron-core, and the driver imports this module (relax.roles.megatron_rank)
+        from relax.backends.megatron.accumulate import ChunkedStep
+
         self.accumulated = ChunkedStep(trainer, objective, config.rollout_temperature) if self.update_actor else None
         self.chunks = 0
         self.received = 0

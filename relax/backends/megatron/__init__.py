@@ -11,7 +11,8 @@ Modules, one job each:
     optim       DDP wrapper, optimizer, LR scheduler
     checkpoint  atomic save / load of model, optimizer, scheduler, RNG
     checkpoint_layout  the checkpoint files, folders and marker on disk (no torch)
-    trainer     MegatronTrainer, TrainerSettings, LossFn
+    settings    TrainerSettings (plain values; no torch, no Megatron)
+    trainer     MegatronTrainer, LossFn (TrainerSettings re-exported)
     testing     tiny models, toy data and multi-process helpers for tests
 
 Importing this package does not import megatron-core; the names below load lazily. The modules import
@@ -36,7 +37,7 @@ _EXPORTS = {
     "load_hf_checkpoint_dir": "hf_weights",
     "token_logprobs": "logprobs",
     "MegatronTrainer": "trainer",
-    "TrainerSettings": "trainer",
+    "TrainerSettings": "settings",
     "LossFn": "trainer",
 }
 
