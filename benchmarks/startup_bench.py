@@ -4,6 +4,7 @@ for the embedded default, under 25 s for SmolLM2-135M on a 2-core machine).
     .venv/bin/python benchmarks/startup_bench.py                    # both models, cold then warm
     .venv/bin/python benchmarks/startup_bench.py --only embedded --warm-runs 2
     .venv/bin/python benchmarks/startup_bench.py --only embedded --warm-runs 1 --cpu   # and each process's CPU
+    .venv/bin/python benchmarks/startup_bench.py --against /tmp/before --rounds 3 --cpu  # two code states, alternated
 
 Each run is `relax-train ... --num-rollout 1 --timeline-dump-dir DIR` in a subprocess. Launch is the moment
 just before the subprocess starts; the times after it come from the run's timeline (wall clock):
@@ -22,6 +23,12 @@ Cold and warm:
             safetensors, as scripts/convert_smollm2.py writes the real one, and the embedded default's byte-level
             tokenizer and ChatML template (the tokenizer does not change start-up work). Cold: the first run after
             the folder is written; warm: the runs after it. Flags as examples/smollm2/run.sh.
+Two code states (`--against DIR`: a checkout of the other code, e.g. `git worktree add DIR COMMIT`, run with
+PYTHONPATH=DIR; compile its bytecode first, as scripts/setup.sh does here, or it pays for compiling): the embedded
+default only; each side's cold run (its own cache folder) first, then `--rounds` rounds of one warm run of the other
+code and one of this code, and the mean of each side's warm times and their ratio. The machine's speed drifts over
+minutes, so only rounds alternated like this compare.
+
 Start-up is CPU-bound (~8 processes importing torch, Megatron and TransferQueue on the machine's cores): the
 numbers depend on the load, which the benchmark prints (`os.getloadavg`) before each run.
 """
@@ -116,34 +123,39 @@ def run_sampling_cpu(cmd: list[str], env: dict[str, str], launched: float):
     return done, {pid: tuple(v) for pid, v in seen.items()}
 
 
-def show_cpu(per_process: dict[int, tuple]) -> None:
+def show_cpu(per_process: dict[int, tuple]) -> float:
+    """Print each process's CPU seconds; returns their sum."""
     rows = sorted(per_process.values(), key=lambda r: -r[0])
     print(f"  CPU s in all: {sum(r[0] for r in rows):.1f} over {len(rows)} processes", flush=True)
     for cpu_s, started, cmdline in rows:
         if cpu_s >= 0.3:
             print(f"  {cpu_s:5.1f} CPU s  from {started:5.1f} s  {cmdline}", flush=True)
+    return sum(r[0] for r in rows)
 
 
-def timed_run(out: Path, flags: list[str], env: dict[str, str], cpu: bool = False) -> dict[str, float]:
+def timed_run(out: Path, flags: list[str], env: dict[str, str], cpu: bool = False,
+              base_env: dict[str, str] | None = None) -> dict[str, float]:
     """One 1-step run; seconds from launch to each moment of the module docstring. `cpu`: also print the CPU
-    seconds of each process the run started."""
+    seconds of each process the run started (and return their sum as "cpu"). `base_env`: the environment the
+    run's `env` is added to (default: this process's)."""
     timeline_dir = out / "timeline"
     cmd = [sys.executable, "-m", "relax.entrypoints.train", "--output-dir", str(out), "--num-rollout", "1",
            "--timeline-dump-dir", str(timeline_dir), *flags]
     load = os.getloadavg()[0]
     launched = time.time()
+    full_env = {**(os.environ if base_env is None else base_env), **env}
     if cpu:
-        proc, per_process = run_sampling_cpu(cmd, {**os.environ, **env}, launched)
+        proc, per_process = run_sampling_cpu(cmd, full_env, launched)
     else:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env)
     ended = time.time()
-    if cpu:
-        show_cpu(per_process)
+    cpu_s = show_cpu(per_process) if cpu else float("nan")
     if proc.returncode != 0:  # reported, and the other runs still measured
         failed = [line for line in proc.stderr.splitlines() if "run failed" in line] or proc.stderr.splitlines()[-1:]
         print(f"run failed ({proc.returncode}): {failed[0] if failed else ''}", flush=True)
         nan = float("nan")
-        return {"load": load, "first request": nan, "first token": nan, "step 0 end": nan, "exit": ended - launched}
+        return {"load": load, "first request": nan, "first token": nan, "step 0 end": nan, "exit": ended - launched,
+                "cpu": cpu_s}
     spans = read_spans(timeline_dir)
 
     def first(pred) -> float:
@@ -157,6 +169,7 @@ def timed_run(out: Path, flags: list[str], env: dict[str, str], cpu: bool = Fals
         "first token": first(lambda s: s["name"] == "generate" and s["cat"] == "engine"),
         "step 0 end": (step0[0]["ts"] + step0[0]["dur"]) / 1e6 - launched if step0 else float("nan"),
         "exit": ended - launched,
+        "cpu": cpu_s,
     }
 
 
@@ -165,18 +178,52 @@ def show(name: str, kind: str, t: dict[str, float]) -> None:
           f"{t['first token']:6.1f} s  step 0 end {t['step 0 end']:6.1f} s  exit {t['exit']:6.1f} s", flush=True)
 
 
+def compare(tmp: Path, against: Path, rounds: int, cpu: bool) -> list[dict]:
+    """The embedded default's warm start, alternated between the code in `against` and this code (module
+    docstring); prints each run, then each side's means and their ratio."""
+    here = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    sides = {"other": {**here, "PYTHONPATH": str(against)}, "this": here}
+    results: list[dict] = []
+    for name, env in sides.items():  # each side's own cache, built by its own code
+        env["RELAX_EMBEDDED_CACHE"] = str(tmp / f"embedded-cache-{name}")
+        show(name, "cold", timed_run(tmp / f"{name}-cold", [], {}, False, base_env=env))
+    for r in range(rounds):
+        for name, env in sides.items():
+            t = timed_run(tmp / f"{name}-{r}", [], {}, cpu, base_env=env)
+            show(name, "warm", t)
+            results.append({"code": name, "round": r, **t})
+    means = {}
+    for name in sides:
+        rows = [x for x in results if x["code"] == name]
+        means[name] = {k: sum(x[k] for x in rows) / len(rows) for k in ("step 0 end", "cpu")}
+        print(f"{name:5s} ({against if name == 'other' else 'this checkout'}): mean end of step 0 "
+              f"{means[name]['step 0 end']:.1f} s" + (f", {means[name]['cpu']:.1f} CPU s" if cpu else "")
+              + f" over {rounds} warm runs", flush=True)
+    print(f"this / other, end of step 0: {means['this']['step 0 end'] / means['other']['step 0 end']:.3f}"
+          + (f"; CPU s: {means['this']['cpu'] / means['other']['cpu']:.3f}" if cpu else ""), flush=True)
+    return results
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", choices=("embedded", "smollm2"), default=None)
     p.add_argument("--warm-runs", type=int, default=1, help="warm runs after the cold one (default 1)")
     p.add_argument("--json", default=None, help="also write the results to this file")
     p.add_argument("--cpu", action="store_true", help="also print each process's CPU seconds (psutil, sampled)")
+    p.add_argument("--against", default=None, help="a checkout of other code to alternate with this one (module "
+                   "docstring); the embedded default only")
+    p.add_argument("--rounds", type=int, default=3, help="with --against: warm runs of each side (default 3)")
     p.add_argument("--keep", default=None, help="run in this folder and keep it (logs of each run); default: a "
                    "temporary folder")
     args = p.parse_args()
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="relax-startup-") as tmp:
         tmp = Path(args.keep or tmp)
+        if args.against:
+            results = compare(tmp, Path(args.against).resolve(), args.rounds, args.cpu)
+            if args.json:
+                Path(args.json).write_text(json.dumps(results, indent=1))
+            return 0
         if args.only in (None, "embedded"):
             env = {"RELAX_EMBEDDED_CACHE": str(tmp / "embedded-cache")}
             for i in range(1 + args.warm_runs):
