@@ -1,9 +1,9 @@
 """What every Megatron rank actor (actor, reference, teacher, critic) shares: thread count, its place in
 the group, the rendezvous address of rank 0, and joining the process group.
 
-The roles' modules import the backend's (relax.backends.megatron) inside the methods that use them: the driver
+The roles' modules import the backend (relax.backends.megatron) inside the methods that use it: the driver
 imports these modules for their Ray actor classes alone, and the backend loads Megatron-core (seconds of CPU at
-every launch). tests/test_driver_imports.py keeps it out."""
+every launch). tests/test_import_costs.py checks that the driver's imports leave it out."""
 
 from __future__ import annotations
 
