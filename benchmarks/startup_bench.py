@@ -126,11 +126,12 @@ def run_sampling_cpu(cmd: list[str], env: dict[str, str], launched: float):
 def show_cpu(per_process: dict[int, tuple]) -> float:
     """Print each process's CPU seconds; returns their sum."""
     rows = sorted(per_process.values(), key=lambda r: -r[0])
-    print(f"  CPU s in all: {sum(r[0] for r in rows):.1f} over {len(rows)} processes", flush=True)
+    total = sum(r[0] for r in rows)
+    print(f"  CPU s in all: {total:.1f} over {len(rows)} processes", flush=True)
     for cpu_s, started, cmdline in rows:
         if cpu_s >= 0.3:
             print(f"  {cpu_s:5.1f} CPU s  from {started:5.1f} s  {cmdline}", flush=True)
-    return sum(r[0] for r in rows)
+    return total
 
 
 def timed_run(out: Path, flags: list[str], env: dict[str, str], cpu: bool = False,

@@ -1,9 +1,10 @@
 """What every Megatron rank actor (actor, reference, teacher, critic) shares: thread count, its place in
 the group, the rendezvous address of rank 0, and joining the process group.
 
-The roles' modules import the backend (relax.backends.megatron) inside the methods that use it: the driver
-imports these modules for their Ray actor classes alone, and the backend loads Megatron-core (seconds of CPU at
-every launch). tests/test_import_costs.py checks that the driver's imports leave it out."""
+The roles' modules import the backend's modules that load Megatron-core (its trainer, model, checkpoint, layer
+hooks, ...) inside the methods that use them: the driver imports these modules for their Ray actor classes alone,
+and Megatron's import would cost it seconds of CPU at every launch. tests/test_import_costs.py checks that the
+driver's imports leave it out."""
 
 from __future__ import annotations
 
