@@ -24,10 +24,11 @@ Cold and warm:
             tokenizer and ChatML template (the tokenizer does not change start-up work). Cold: the first run after
             the folder is written; warm: the runs after it. Flags as examples/smollm2/run.sh.
 Two code states (`--against DIR`: a checkout of the other code, e.g. `git worktree add DIR COMMIT`, run with
-PYTHONPATH=DIR; compile its bytecode first, as scripts/setup.sh does here, or it pays for compiling): the embedded
-default only; each side's cold run (its own cache folder) first, then `--rounds` rounds of one warm run of the other
-code and one of this code, and the mean of each side's warm times and their ratio. The machine's speed drifts over
-minutes, so only rounds alternated like this compare.
+PYTHONPATH=DIR from DIR as its working folder, checked before the runs; compile its bytecode first, as
+scripts/setup.sh does here, or it pays for compiling): the embedded default only; each side's cold run (its own
+cache folder) first, then `--rounds` rounds of one warm run of the other code and one of this code, and the mean of
+each side's warm times and their ratio. The machine's speed drifts over minutes, so only rounds alternated like
+this compare.
 
 Start-up is CPU-bound (~8 processes importing torch, Megatron and TransferQueue on the machine's cores): the
 numbers depend on the load, which the benchmark prints (`os.getloadavg`) before each run.
@@ -54,6 +55,7 @@ SMOLLM2_135M = TinyArch(family="llama", hidden_size=576, intermediate_size=1536,
                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
                         rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
 SMOLLM2_VOCAB = 49152
+ROOT = Path(__file__).resolve().parents[1]  # this checkout
 
 
 def build_smollm2_shaped(path: Path, seed: int = 0) -> Path:
@@ -87,14 +89,14 @@ def smollm2_flags(model: Path, data: Path) -> list[str]:
             "--distributed-backend", "gloo"]
 
 
-def run_sampling_cpu(cmd: list[str], env: dict[str, str], launched: float):
+def run_sampling_cpu(cmd: list[str], env: dict[str, str], launched: float, cwd: Path | None = None):
     """`cmd` to its end, sampling (every 0.1 s) the CPU seconds of each process it starts; (the completed
     process, {pid: (CPU s, seconds after launch it was first seen, its latest command line)}). A process's CPU is
     its last sample's: what it spent in its last 0.1 s is missed."""
     import psutil
 
     seen: dict[int, list] = {}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
     outputs: dict[str, str] = {}
     readers = [threading.Thread(target=lambda name, f: outputs.__setitem__(name, f.read()), args=(name, f),
                                 daemon=True) for name, f in (("stdout", proc.stdout), ("stderr", proc.stderr))]
@@ -135,7 +137,7 @@ def show_cpu(per_process: dict[int, tuple]) -> float:
 
 
 def timed_run(out: Path, flags: list[str], env: dict[str, str], cpu: bool = False,
-              base_env: dict[str, str] | None = None) -> dict[str, float]:
+              base_env: dict[str, str] | None = None, cwd: Path | None = None) -> dict[str, float]:
     """One 1-step run; seconds from launch to each moment of the module docstring. `cpu`: also print the CPU
     seconds of each process the run started (and return their sum as "cpu"). `base_env`: the environment the
     run's `env` is added to (default: this process's)."""
@@ -146,9 +148,9 @@ def timed_run(out: Path, flags: list[str], env: dict[str, str], cpu: bool = Fals
     launched = time.time()
     full_env = {**(os.environ if base_env is None else base_env), **env}
     if cpu:
-        proc, per_process = run_sampling_cpu(cmd, full_env, launched)
+        proc, per_process = run_sampling_cpu(cmd, full_env, launched, cwd)
     else:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, cwd=cwd)
     ended = time.time()
     cpu_s = show_cpu(per_process) if cpu else float("nan")
     if proc.returncode != 0:  # reported, and the other runs still measured
@@ -184,13 +186,21 @@ def compare(tmp: Path, against: Path, rounds: int, cpu: bool) -> list[dict]:
     docstring); prints each run, then each side's means and their ratio."""
     here = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     sides = {"other": {**here, "PYTHONPATH": str(against)}, "this": here}
+    # Each side runs in its own checkout's folder: `python -m` puts the working folder first on sys.path, ahead
+    # of PYTHONPATH (and Ray's workers get the driver's), so from this folder both sides would run this code.
+    folders = {"other": against.resolve(), "this": ROOT}
+    for name, env in sides.items():
+        imported = subprocess.run([sys.executable, "-c", "import relax; print(relax.__file__)"], env=env,
+                                  cwd=folders[name], capture_output=True, text=True).stdout.strip()
+        if not imported.startswith(str(folders[name]) + os.sep):
+            raise SystemExit(f"{name} side imports relax from {imported or '?'}, not from {folders[name]}")
     results: list[dict] = []
     for name, env in sides.items():  # each side's own cache, built by its own code
         env["RELAX_EMBEDDED_CACHE"] = str(tmp / f"embedded-cache-{name}")
-        show(name, "cold", timed_run(tmp / f"{name}-cold", [], {}, False, base_env=env))
+        show(name, "cold", timed_run(tmp / f"{name}-cold", [], {}, False, base_env=env, cwd=folders[name]))
     for r in range(rounds):
         for name, env in sides.items():
-            t = timed_run(tmp / f"{name}-{r}", [], {}, cpu, base_env=env)
+            t = timed_run(tmp / f"{name}-{r}", [], {}, cpu, base_env=env, cwd=folders[name])
             show(name, "warm", t)
             results.append({"code": name, "round": r, **t})
     means = {}
@@ -217,6 +227,8 @@ def main() -> int:
     p.add_argument("--keep", default=None, help="run in this folder and keep it (logs of each run); default: a "
                    "temporary folder")
     args = p.parse_args()
+    if args.against and not (Path(args.against) / "relax").is_dir():
+        p.error(f"--against {args.against}: not a checkout of Relax (no relax/ folder in it)")
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="relax-startup-") as tmp:
         tmp = Path(args.keep or tmp)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -29,6 +30,41 @@ BUILTIN_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "OMP_NUM_THREADS": "1",
 }
+
+
+# The variables that every worker of a local Ray head started by Relax inherits from the head's environment
+# (relax.core.ray_cluster.start_local_head), as JSON in the head's environment, which its workers inherit too.
+HEAD_ENV_VAR = "RELAX_RAY_HEAD_ENV"
+# The same, in the process that started the head (its own environment stays as it was, so that a process it
+# starts later, e.g. another cluster's `ray start`, does not carry it); None once it connected elsewhere.
+_started_head_env: dict[str, str] | None = None
+
+
+def note_local_head(env: Mapping[str, str] | None) -> None:
+    """Record what the workers of the Ray this process just started inherit (None: a cluster started elsewhere)."""
+    global _started_head_env
+    _started_head_env = None if env is None else {str(k): str(v) for k, v in env.items()}
+
+
+def inherited_by_workers() -> dict[str, str]:
+    """The variables a worker started now by this process's Ray gets without a runtime env: the local head's, in
+    the process that started it; in a worker, the head's variables that this worker has with the same values
+    (Ray gives an actor created without a runtime env its parent's, and a worker whose own runtime env changed
+    one of them does not count on any). Empty where unknown (a cluster started elsewhere)."""
+    if _started_head_env is not None:
+        return _started_head_env
+    given = json.loads(os.environ.get(HEAD_ENV_VAR) or "{}")
+    return given if all(os.environ.get(k) == v for k, v in given.items()) else {}
+
+
+def role_runtime_env(env: Mapping[str, str]) -> dict[str, dict[str, str]] | None:
+    """The runtime env to create a role's actor with, for workers that need `env`: the variables its worker would
+    not inherit already, or None when it inherits them all. Each worker with a runtime env is started through
+    Ray's set-up process, a Python that imports Ray (~0.9 CPU s) before it execs the worker (docs/benchmarks.md,
+    Start-up). On a cluster started elsewhere (RAY_ADDRESS) a role gets all of `env`, as before."""
+    inherited = inherited_by_workers()
+    missing = {str(k): str(v) for k, v in env.items() if inherited.get(str(k)) != str(v)}
+    return {"env_vars": missing} if missing else None
 
 
 def apply_driver_env() -> None:

@@ -22,7 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from relax.wire.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
 from relax.wire.core_share import CORES_META, new_token, remove_board
 from relax.config.config import Config
-from relax.config.env import threads_per_process, worker_env
+from relax.config.env import role_runtime_env, threads_per_process, worker_env
 from relax.config.support_gpu import flight_recorder_env
 from relax.core.async_loop import AsyncLoop
 from relax.core.calls import (BoundedCall, descendants, run_bounded, run_quietly, set_watch, start_bounded,
@@ -136,7 +136,7 @@ class Controller:
         run.aux = AuxRoles(c, launched_aux.get("reference"), critic=launched_aux.get("critic"),
                            teacher=launched_aux.get("teacher"))
         run.rollout = RolloutManager.options(num_cpus=1,
-                                             runtime_env={"env_vars": {**worker_env(), **engine_key}}).remote(c)
+                                             runtime_env=role_runtime_env({**worker_env(), **engine_key})).remote(c)
         engines_ref = None
         if engines_early:
             engines_ref = run.rollout.start_engines.remote(pg_rollout, weight_source=run.weight_source(),
@@ -174,8 +174,8 @@ class Controller:
         """The trainer ranks' actors, one per bundle of the actor placement group (created, not yet set up)."""
         c = self.ctx.config
         actor_world = c.actor_world_size
-        train_env = {"env_vars": {**flight_recorder_env(c), **worker_env(c.train_env_vars, training_role=True),
-                                  **self._engine_key}}
+        train_env = role_runtime_env({**flight_recorder_env(c), **worker_env(c.train_env_vars, training_role=True),
+                                      **self._engine_key})
         return [
             TrainerWorker.options(num_cpus=1, num_gpus=trainer_gpus(c, self._use_gpu), runtime_env=train_env,
                                   scheduling_strategy=PlacementGroupSchedulingStrategy(

@@ -28,7 +28,7 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from relax.formats import checkpoint_layout
-from relax.config.env import threads_per_process, worker_env
+from relax.config.env import role_runtime_env, threads_per_process, worker_env
 from relax.core.calls import wait_all
 from relax.core.deadlines import FLAGS, Call
 from relax.core.checkpointing import keep_limit, rotate_checkpoints
@@ -68,7 +68,7 @@ class WorkerGroup:
         bundles = [{"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0} for _ in range(world)]
         self.placement_group = create_placement_group(bundles, f"relax-{name}")
         threads = threads_per_process(world)
-        env = {"env_vars": worker_env(config.train_env_vars, training_role=True)}
+        env = role_runtime_env(worker_env(config.train_env_vars, training_role=True))
         self.workers = [
             worker_cls.options(num_cpus=1, num_gpus=1 if use_gpu else 0, runtime_env=env,
                                scheduling_strategy=PlacementGroupSchedulingStrategy(

@@ -52,6 +52,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from relax.wire.auth import ENGINE_API_KEY_ENV, engine_api_key
+from relax.config.env import role_runtime_env
 from relax.observability.autoscaler_status import finite
 from relax.observability.metrics import summarise
 from relax.observability.metrics_client import (
@@ -405,7 +406,7 @@ def start_metrics_service(output_dir: str | os.PathLike | None = None, *, name: 
         max_concurrency=1, max_restarts=0,
         # the run's engine key for scraping engines, handed on explicitly: a Ray started elsewhere (RAY_ADDRESS)
         # carries no job environment
-        runtime_env={"env_vars": {ENGINE_API_KEY_ENV: key}} if key else None,
+        runtime_env=role_runtime_env({ENGINE_API_KEY_ENV: key}) if key else None,
         # on the driver's node, where OUTPUT_DIR (and the URL written there) is
         scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True),
     ).remote(**kwargs)

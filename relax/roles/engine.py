@@ -13,7 +13,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from relax.wire.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
 from relax.backends.embedded.launcher import EmbeddedServerProcess
 from relax.backends.sglang.server import SGLangServerProcess
-from relax.config.env import threads_per_process, worker_env
+from relax.config.env import role_runtime_env, threads_per_process, worker_env
 
 logger = logging.getLogger(__name__)
 
@@ -79,9 +79,10 @@ def engine_actor(backend: str, model_path: str, server_args: dict[str, Any], gpu
                  log_dir: str, engine_id: int, placement: Any = None) -> Any:
     """Engine `engine_id`'s actor (its server not started yet), on `placement` = (placement group, bundle
     index) when given. The workers' environment and the run's engine key are handed on explicitly, as to every
-    role: a Ray started elsewhere (or before this run) carries neither in its job environment."""
+    role, where the worker does not inherit them already: a Ray started elsewhere (or before this run) carries
+    neither in its job environment (relax.config.env.role_runtime_env)."""
     env = {**worker_env(), ENGINE_API_KEY_ENV: ensure_engine_api_key()}
-    options: dict[str, Any] = {"num_cpus": 1, "runtime_env": {"env_vars": env}}
+    options: dict[str, Any] = {"num_cpus": 1, "runtime_env": role_runtime_env(env)}
     if placement is not None and placement[0] is not None:
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             placement_group=placement[0], placement_group_bundle_index=placement[1])
