@@ -101,3 +101,75 @@ def test_workers_of_the_local_head_inherit_the_environment_and_run_the_set_up_ho
     assert seen == wanted
     assert hooked  # relax.core.worker_setup ran in the worker
     assert nested is None  # and what it creates inherits the same
+
+
+def test_ray_registers_its_pydantic_and_arrow_serializers_when_the_packages_are_imported():
+    """relax.core.ray_serializers in a fresh interpreter: Ray's serialization context no longer imports pydantic,
+    starlette or pyarrow, and each package's serializers are registered at its first import all the same."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+import ray.cloudpickle as cloudpickle
+from ray.util import serialization_addons
+from relax.core.ray_serializers import defer_ray_serializers
+
+class Context:  # what Ray's registration functions call on a serialization context
+    def _register_cloudpickle_serializer(self, cls, custom_serializer, custom_deserializer):
+        cloudpickle.CloudPickler.dispatch[cls] = custom_serializer
+    def _register_cloudpickle_reducer(self, cls, reducer):
+        cloudpickle.CloudPickler.dispatch[cls] = reducer
+
+defer_ray_serializers()
+defer_ray_serializers()  # once per process
+serialization_addons.apply(Context())
+print(sorted(m for m in ("pydantic", "pyarrow", "starlette") if m in sys.modules))
+import pyarrow, pydantic.v1.fields, starlette.datastructures
+print(pyarrow.Table in cloudpickle.CloudPickler.dispatch, pydantic.v1.fields.ModelField in cloudpickle.CloudPickler.dispatch,
+      starlette.datastructures.State in cloudpickle.CloudPickler.dispatch)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[:2] == ["[]", "True True True"], out.stdout
+
+
+def test_a_worker_imports_neither_pydantic_nor_pyarrow_for_ray(ray_session):
+    """A worker of the local head (whose set-up hook defers Ray's serializers) answers its first tasks without
+    importing pydantic or pyarrow; once it imports pyarrow, Ray's Arrow table reducer is registered."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Probe:
+        def loaded(self):
+            import sys
+
+            return [m for m in ("pydantic", "pyarrow") if m in sys.modules]
+
+        def arrow(self):
+            import pyarrow
+            import ray.cloudpickle as cloudpickle
+
+            return pyarrow.Table in cloudpickle.CloudPickler.dispatch
+
+    probe = Probe.remote()
+    try:
+        assert ray.get(probe.loaded.remote(), timeout=120) == []
+        assert ray.get(probe.loaded.remote(), timeout=60) == []  # its context made by the first task's answer
+        assert ray.get(probe.arrow.remote(), timeout=60)
+    finally:
+        ray.kill(probe)
+
+
+def test_a_ray_whose_serialization_addons_register_more_keeps_its_own(monkeypatch):
+    from ray.util import serialization_addons
+
+    from relax.core import ray_serializers
+
+    def apply(context):  # a later Ray's, registering one more package
+        serialization_addons.register_starlette_serializer(context)
+        serialization_addons.register_polars_serializer(context)
+
+    monkeypatch.setattr(serialization_addons, "apply", apply)
+    ray_serializers.defer_ray_serializers()
+    assert serialization_addons.apply is apply

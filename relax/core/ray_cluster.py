@@ -12,6 +12,7 @@ import ray
 
 from relax.wire.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
 from relax.config.env import HEAD_ENV_VAR, note_local_head, worker_env
+from relax.core.ray_serializers import defer_ray_serializers
 from relax.core.worker_setup import WORKER_SETUP_HOOK
 
 
@@ -20,6 +21,7 @@ def start_ray(config: Any) -> bool:
     Every role inherits the job's environment: the workers' settings and the run's engine key."""
     if ray.is_initialized():
         return False
+    defer_ray_serializers()  # the driver's serialization context is made by ray.init
     # One secret per run guards every engine's control endpoints; roles receive it in their environment.
     job_vars = {**worker_env(), ENGINE_API_KEY_ENV: ensure_engine_api_key()}
     address = os.environ.get("RAY_ADDRESS")
@@ -50,6 +52,7 @@ def start_local_head(env: Mapping[str, str], **init_kwargs: Any) -> None:
     read what the workers inherit from relax.config.env.inherited_by_workers."""
     from ray._private import ray_constants
 
+    defer_ray_serializers()
     hook_var = getattr(ray_constants, "WORKER_PROCESS_SETUP_HOOK_ENV_VAR", None)
     if hook_var is None:  # a Ray that reads the hook from elsewhere: the job's runtime env, as before
         note_local_head(None)
