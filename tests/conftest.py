@@ -41,16 +41,14 @@ def shared_ray():
     """The session's Ray (started on first use with the workers' environment and the run's engine key)."""
     import ray
 
-    from relax.wire.auth import ENGINE_API_KEY_ENV, ensure_engine_api_key
-    from relax.config.env import worker_env
-    from relax.core.ray_cluster import start_local_head
+    from relax.core.ray_cluster import job_env_vars, start_local_head
 
     if not ray.is_initialized():
         # Hooks that tests name by module (`test_rollout_e2e.mark`) are imported inside the roles: the workers
         # need this folder on their path (a test's own PYTHONPATH comes too late for a cluster started earlier).
         path = os.pathsep.join([str(ROOT / "tests"), str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
         # as the run's (relax.core.ray_cluster): the workers inherit the environment, no prestarted idle workers
-        start_local_head({**worker_env(), ENGINE_API_KEY_ENV: ensure_engine_api_key(), "PYTHONPATH": path},
+        start_local_head({**job_env_vars(), "PYTHONPATH": path},
                          num_cpus=SHARED_RAY_CPUS, include_dashboard=False, log_to_driver=False,
                          _system_config={"prestart_worker_first_driver": False})
     return ray

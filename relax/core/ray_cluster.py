@@ -21,12 +21,11 @@ def start_ray(config: Any) -> bool:
     Every role inherits the job's environment: the workers' settings and the run's engine key."""
     if ray.is_initialized():
         return False
-    defer_ray_serializers()  # the driver's serialization context is made by ray.init
-    # One secret per run guards every engine's control endpoints; roles receive it in their environment.
-    job_vars = {**worker_env(), ENGINE_API_KEY_ENV: ensure_engine_api_key()}
+    job_vars = job_env_vars()
     address = os.environ.get("RAY_ADDRESS")
     if address:
         note_local_head(None)  # this cluster's environment is not ours to know
+        defer_ray_serializers()  # the driver's serialization context is made by ray.init
         # the hook gives the roles' Relax records the driver's line shape, to keep them on the console
         ray.init(address=address, runtime_env={"env_vars": job_vars, "worker_process_setup_hook": WORKER_SETUP_HOOK},
                  log_to_driver=True)
@@ -41,6 +40,12 @@ def start_ray(config: Any) -> bool:
     return True
 
 
+def job_env_vars() -> dict[str, str]:
+    """The variables every role of the run gets: the workers' settings and the run's engine key (one secret per
+    run guards every engine's control endpoints)."""
+    return {**worker_env(), ENGINE_API_KEY_ENV: ensure_engine_api_key()}
+
+
 def start_local_head(env: Mapping[str, str], **init_kwargs: Any) -> None:
     """ray.init of a local head whose workers all get `env` and run Relax's worker set-up hook, without a runtime
     env: both go into the head's own environment, which its raylet hands to every worker it starts. A runtime
@@ -52,7 +57,7 @@ def start_local_head(env: Mapping[str, str], **init_kwargs: Any) -> None:
     read what the workers inherit from relax.config.env.inherited_by_workers."""
     from ray._private import ray_constants
 
-    defer_ray_serializers()
+    defer_ray_serializers()  # the driver's serialization context is made by ray.init
     hook_var = getattr(ray_constants, "WORKER_PROCESS_SETUP_HOOK_ENV_VAR", None)
     if hook_var is None:  # a Ray that reads the hook from elsewhere: the job's runtime env, as before
         note_local_head(None)

@@ -9,14 +9,12 @@ actors came up with 3.7-3.9 CPU s instead of 4.6-5.7 (docs/benchmarks.md, Start-
 add entries to cloudpickle's process-wide dispatch table, which objects of a type can only meet once its
 package is imported; so each is made where its package is imported already, or right after its first import
 (relax.importing.patch_import), with Ray's own registration functions. Ray's `apply` is replaced only where it
-names exactly the functions below (a Ray whose `apply` registers anything else, or lacks one of them, keeps
-its own).
+names exactly the functions below (a Ray whose `apply` registers anything else keeps its own).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import sys
 from typing import Any, Callable, Iterator
 
@@ -51,13 +49,11 @@ def defer_ray_serializers() -> None:
 
 
 def _registrations(serialization_addons: Any) -> dict[str, Callable[[Any], None]] | None:
-    """Ray's registration function of each package, or None where this Ray lacks one of them (looked up without
-    importing them: importing Ray's pydantic module imports pydantic)."""
-    starlette = getattr(serialization_addons, "register_starlette_serializer", None)
-    modules = ("ray._common.pydantic_compat", "ray._private.arrow_serialization")
-    if (starlette is None or any(importlib.util.find_spec(m) is None for m in modules)
-            or set(serialization_addons.apply.__code__.co_names) != KNOWN_APPLY_NAMES):
+    """Ray's registration function of each package, or None where Ray's `apply` is not the one they stand in for
+    (looked up without importing them: importing Ray's pydantic module imports pydantic)."""
+    if set(serialization_addons.apply.__code__.co_names) != KNOWN_APPLY_NAMES:
         return None
+    starlette = serialization_addons.register_starlette_serializer
 
     def pydantic(context: Any) -> None:
         from ray._common.pydantic_compat import register_pydantic_serializers
