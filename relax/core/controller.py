@@ -201,9 +201,11 @@ class Controller:
                                             [Call("trainer", "start", rank=0)],  # the actor's creation, too
                                             deadline_s=run.deadlines.train_s, flag=FLAGS["train"])[0]
         backend = c.distributed_backend if self._use_gpu else "gloo"
-        infos = run.trainers("setup", "setup", None, master_addr, master_port, backend)
+        with timeline.span("build the trainer ranks' models", cat="startup"):
+            infos = run.trainers("setup", "setup", None, master_addr, master_port, backend)
         if run.data is None:
-            run.data = self._data_start.wait()
+            with timeline.span("wait for the data plane", cat="startup"):
+                run.data = self._data_start.wait()
         run.trainers("attach_data_plane", "attach to the data plane", None)
         run.worker_where = [info.get("where") for info in infos]
         logger.info("trainer: %d rank(s), data-parallel %d, %d parameters", c.actor_world_size, infos[0]["dp"],

@@ -79,6 +79,9 @@ class TrainerWorker(MegatronRank):
         # class alone: relax.roles.megatron_rank), so that a forked child has it already (relax.roles.forked_child).
         import relax.backends.megatron.trainer  # noqa: F401
 
+        # The model's architecture, read before the fork too: reading an HF config imports transformers (~1.5 CPU s),
+        # which the child then has instead of importing it again for its own models.
+        self.arch = arch_for_run(config)
         self.reference: ReferenceSource | None = reference_for_rank(config, torch.get_num_threads())
         self._streaming: dict[str, Any] | None = None  # the step trained in chunks (`train_chunk`)
         # --use-pytorch-profiler sections and --memory-snapshot-num-steps records of this rank
@@ -94,7 +97,7 @@ class TrainerWorker(MegatronRank):
         # the model the architecture flags describe, randomly initialised until --ref-load or --load fills it.
         from relax.backends.megatron.trainer import MegatronTrainer  # not at the top: see relax.roles.megatron_rank
 
-        self.trainer = MegatronTrainer(arch_for_run(self.config), trainer_settings(self.config))
+        self.trainer = MegatronTrainer(self.arch, trainer_settings(self.config))
         if self.config.hf_checkpoint:
             self.trainer.load_hf(self.config.hf_checkpoint)
         if self.config.ref_load:  # the actor starts from the reference weights (--load, if any, comes later)
