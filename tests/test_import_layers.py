@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1] / "relax"
 
 # package (or top-level module) of relax/ -> its layer; lower layers never import higher ones
 LAYERS = {
-    "importing": 0, "heap": 0, "lazy_jit": 0,  # import-time utilities of the package root
+    "importing": 0, "heap": 0, "lazy_jit": 0, "transformers_index": 0,  # import-time utilities of the package root
     "formats": 0,  # model architectures, checkpoint folders, prompt files: pure rules over files
     "models": 0,  # the embedded default's model and task, built from nothing but transformers
     "health_faults": 0,  # test-only fault injection, armed by the environment, read by every role that can fail
