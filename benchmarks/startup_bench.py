@@ -125,21 +125,18 @@ def run_sampling_cpu(cmd: list[str], env: dict[str, str], launched: float, cwd: 
     return done, {pid: tuple(v) for pid, v in seen.items()}
 
 
-def show_cpu(per_process: dict[int, tuple]) -> float:
-    """Print each process's CPU seconds; returns their sum."""
-    rows = sorted(per_process.values(), key=lambda r: -r[0])
-    total = sum(r[0] for r in rows)
-    print(f"  CPU s in all: {total:.1f} over {len(rows)} processes", flush=True)
+def show_cpu(rows: list[tuple]) -> None:
+    """Print each process's CPU seconds (`rows`: (CPU s, started, command line), most first), below its run's line."""
+    print(f"  CPU s in all: {sum(r[0] for r in rows):.1f} over {len(rows)} processes", flush=True)
     for cpu_s, started, cmdline in rows:
         if cpu_s >= 0.3:
             print(f"  {cpu_s:5.1f} CPU s  from {started:5.1f} s  {cmdline}", flush=True)
-    return total
 
 
 def timed_run(out: Path, flags: list[str], env: dict[str, str], cpu: bool = False,
               base_env: dict[str, str] | None = None, cwd: Path | None = None) -> dict[str, float]:
     """One 1-step run; seconds from launch to each moment of the module docstring. `cpu`: also print the CPU
-    seconds of each process the run started (and return their sum as "cpu"). `base_env`: the environment the
+    seconds of each process the run started (their sum as "cpu", each as "processes"). `base_env`: the environment the
     run's `env` is added to (default: this process's)."""
     timeline_dir = out / "timeline"
     cmd = [sys.executable, "-m", "relax.entrypoints.train", "--output-dir", str(out), "--num-rollout", "1",
@@ -152,13 +149,14 @@ def timed_run(out: Path, flags: list[str], env: dict[str, str], cpu: bool = Fals
     else:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, cwd=cwd)
     ended = time.time()
-    cpu_s = show_cpu(per_process) if cpu else float("nan")
+    processes = sorted(per_process.values(), key=lambda r: -r[0]) if cpu else []
+    cpu_s = sum(r[0] for r in processes) if cpu else float("nan")
     if proc.returncode != 0:  # reported, and the other runs still measured
         failed = [line for line in proc.stderr.splitlines() if "run failed" in line] or proc.stderr.splitlines()[-1:]
         print(f"run failed ({proc.returncode}): {failed[0] if failed else ''}", flush=True)
         nan = float("nan")
         return {"load": load, "first request": nan, "first token": nan, "step 0 end": nan, "exit": ended - launched,
-                "cpu": cpu_s}
+                "cpu": cpu_s, "processes": processes}
     spans = read_spans(timeline_dir)
 
     def first(pred) -> float:
@@ -173,12 +171,15 @@ def timed_run(out: Path, flags: list[str], env: dict[str, str], cpu: bool = Fals
         "step 0 end": (step0[0]["ts"] + step0[0]["dur"]) / 1e6 - launched if step0 else float("nan"),
         "exit": ended - launched,
         "cpu": cpu_s,
+        "processes": processes,
     }
 
 
-def show(name: str, kind: str, t: dict[str, float]) -> None:
+def show(name: str, kind: str, t: dict) -> None:
     print(f"{name:9s} {kind:5s} load {t['load']:5.2f}  first request {t['first request']:6.1f} s  first token "
           f"{t['first token']:6.1f} s  step 0 end {t['step 0 end']:6.1f} s  exit {t['exit']:6.1f} s", flush=True)
+    if t.get("processes"):
+        show_cpu(t["processes"])
 
 
 def compare(tmp: Path, against: Path, rounds: int, cpu: bool) -> list[dict]:
