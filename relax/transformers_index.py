@@ -63,7 +63,7 @@ def cached(build: Callable[..., dict], directory: str | None = None) -> Callable
         try:
             with open(path, encoding="utf-8") as f:
                 return _decode(json.load(f))
-        except (OSError, ValueError, TypeError):
+        except (OSError, ValueError, TypeError, AttributeError):  # none yet, or damaged: built again
             pass
         structure = build(module_path, prefix)
         with contextlib.suppress(OSError, TypeError, ValueError):

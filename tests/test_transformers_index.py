@@ -87,9 +87,10 @@ def test_a_damaged_file_is_rebuilt(tmp_path):
     cached = transformers_index.cached(counted, str(tmp_path / "cache"))
     cached(package)
     (kept,) = (tmp_path / "cache").glob("*.json")
-    kept.write_text("[[")
-    assert cached(package) == {frozenset({"torch"}): {"sub.one": {"A"}}}
-    assert len(calls) == 2
+    for damaged in ("[[", '[[["torch"], ["sub.one"]]]', "[1]"):  # cut short, or JSON of another shape
+        kept.write_text(damaged)
+        assert cached(package) == {frozenset({"torch"}): {"sub.one": {"A"}}}
+    assert len(calls) == 4
 
 
 _IMPORT = """
