@@ -26,7 +26,13 @@ busy; from psutil over the run's process tree), and the reward over the last thr
 the same number of samples), and the trainer's mean thread count (perf/trainer_threads_mean; "fixed" where the
 mode keeps it).
 
-Machines are shared and noisy: read the ratios, printed at the end, and quote them with `uptime`.
+Machines are shared and noisy: read the ratios, printed at the end, and quote them with `uptime`. A 2-core VM's
+speed moves by 10-20% within a minute, more than a mode's few-step runs can average out (the embedded default's
+async/sync ratio came out 0.97-1.32x in five invocations within six minutes), so `--rounds N` runs the modes N
+times, alternated (each round in the reverse order of the one before, so that neither mode always runs first), and
+prints each round's ratios and their median: quote the median with its range.
+
+    .venv/bin/python benchmarks/async_bench.py --steps 12 --warmup 3 --skip-loop --only sync "async S=1" --rounds 5
 """
 
 from __future__ import annotations
@@ -159,6 +165,18 @@ def run_plain_loop(steps: int, warmup: int, extra: list[str], out: Path) -> dict
             "reward": statistics.fmean(r["reward"] for r in recs[-3:]), "staleness_max": 0.0}
 
 
+def _print_ratio(label: str, rounds: list[dict[str, dict]], top: str, bottom: str) -> None:
+    """The samples/s ratio `top / bottom` of each round that ran both; with several rounds, their median first."""
+    ratios = [r[top]["samples_per_s"] / r[bottom]["samples_per_s"] for r in rounds if r.get(top) and r.get(bottom)]
+    if not ratios:
+        return
+    if len(rounds) == 1:
+        print(f"{label}: {ratios[0]:.2f}")
+    else:
+        each = ", ".join(f"{x:.2f}" for x in ratios)
+        print(f"{label}: median {statistics.median(ratios):.2f} over {len(ratios)} rounds ({each})")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=12)
@@ -171,43 +189,54 @@ def main() -> int:
                         "no KL loss, one optimizer step per rollout)")
     p.add_argument("--only", nargs="*", default=None, help=f"modes to run, of {list(MODES)} (and 'async S=1 K=N')")
     p.add_argument("--keep", default=None, help="keep the run folders here")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the modes this many times, alternated; prints each round's ratios and their median")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more relax-train flags (every run)")
     args = p.parse_args()
     extra = list(args.extra)
     if args.model:
         extra = ["--hf-checkpoint", args.model, *(["--prompt-data", args.data] if args.data else []), *extra]
-    results: dict[str, dict] = {}
+    if args.rounds < 1:
+        p.error("--rounds takes a count >= 1")
     modes = dict(MODES)
     if args.chunks > 1:
         modes[f"async S=1 K={args.chunks}"] = [*MODES["async S=1"], "--num-iters-per-train-update", str(args.chunks)]
+    chosen = [name for name in modes if args.only is None or name in args.only]
+    if not args.skip_loop:
+        chosen.append("plain loop")
+    rounds: list[dict[str, dict]] = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.keep or tmp)
-        for name, flags in modes.items():
-            if args.only is None or name in args.only:
+        for index in range(args.rounds):
+            results: dict[str, dict] = {}
+            folder = root / f"round{index + 1}" if args.rounds > 1 else root
+            for name in (chosen if index % 2 == 0 else chosen[::-1]):
                 print(f"uptime: {os.popen('uptime').read().strip()}")
-                results[name] = run_mode(name, [*extra, *flags], args.steps, args.warmup,
-                                         root / name.replace(" ", "_").replace("=", ""), MODE_ENV.get(name))
-        if not args.skip_loop:
-            print(f"uptime: {os.popen('uptime').read().strip()}")
-            results["plain loop"] = run_plain_loop(args.steps, args.warmup, extra, root)
+                if name == "plain loop":
+                    results[name] = run_plain_loop(args.steps, args.warmup, extra, folder)
+                else:
+                    results[name] = run_mode(name, [*extra, *modes[name]], args.steps, args.warmup,
+                                             folder / name.replace(" ", "_").replace("=", ""), MODE_ENV.get(name))
+            rounds.append({name: results[name] for name in chosen})
     print(f"uptime: {os.popen('uptime').read().strip()}\n")
-    print(f"{'mode':<16}{'samples/s':>11}{'s/step':>9}{'overlap':>9}{'stale max':>10}{'reward':>8}{'threads':>9}"
+    print(f"{'mode':<20}{'samples/s':>11}{'s/step':>9}{'overlap':>9}{'stale max':>10}{'reward':>8}{'threads':>9}"
           "  CPU utilisation")
-    for name, r in results.items():
-        if not r:
-            print(f"{name:<16}  (failed)")
-            continue
-        util = ", ".join(f"{k} {v:.2f}" for k, v in r["util"].items())
-        threads = f"{r['threads']:.2f}" if r.get("threads") else "fixed"
-        print(f"{name:<16}{r['samples_per_s']:>11.1f}{r['s_per_step']:>9.3f}{r['overlap']:>9.2f}"
-              f"{r['staleness_max']:>10.0f}{r['reward']:>8.3f}{threads:>9}  {util}")
-    base = results.get("sync") or {}
-    for name, r in results.items():
-        if r and base and name != "sync":
-            print(f"{name} / sync samples/s: {r['samples_per_s'] / base['samples_per_s']:.2f}")
-    if base and results.get("plain loop"):
-        print(f"sync / plain loop samples/s: {base['samples_per_s'] / results['plain loop']['samples_per_s']:.2f}")
-    return 0 if all(results.values()) else 1
+    for index, results in enumerate(rounds):
+        for name, r in results.items():
+            label = f"{name} #{index + 1}" if args.rounds > 1 else name
+            if not r:
+                print(f"{label:<20}  (failed)")
+                continue
+            util = ", ".join(f"{k} {v:.2f}" for k, v in r["util"].items())
+            threads = f"{r['threads']:.2f}" if r.get("threads") else "fixed"
+            print(f"{label:<20}{r['samples_per_s']:>11.1f}{r['s_per_step']:>9.3f}{r['overlap']:>9.2f}"
+                  f"{r['staleness_max']:>10.0f}{r['reward']:>8.3f}{threads:>9}  {util}")
+    for name in chosen:
+        if name != "sync":
+            _print_ratio(f"{name} / sync samples/s", rounds, name, "sync")
+    if "plain loop" in chosen:
+        _print_ratio("sync / plain loop samples/s", rounds, "sync", "plain loop")
+    return 0 if all(r for results in rounds for r in results.values()) else 1
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ FOREIGN = {
     "--steps": "benchmarks/estimator_table.py", "--estimators": "benchmarks/estimator_table.py",
     # the benchmark and example scripts docs/benchmarks.md runs (tests/test_readme_commands.py parses each
     # command with its script's own options)
-    "--rounds": "benchmarks/plain_loop_bench.py, startup_bench.py", "--against": "benchmarks/startup_bench.py",
+    "--rounds": "benchmarks/plain_loop_bench.py, startup_bench.py, async_bench.py, trainer_threads_bench.py",
+    "--against": "benchmarks/startup_bench.py", "--beside-engine": "benchmarks/trainer_threads_bench.py",
     "--extra": "benchmarks/plain_loop_bench.py, async_bench.py",
     "--chunks": "benchmarks/async_bench.py", "--skip-loop": "benchmarks/async_bench.py",
     "--model": "benchmarks/async_bench.py, examples/genrm/measure_judge.py",
