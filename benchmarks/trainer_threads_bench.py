@@ -74,10 +74,11 @@ def beside_engine(args, trainer, objective, samples) -> int:
             stop.set()
             loop.join()
             # rollouts that ended within the update (the first began 0.3 s before it; one in flight is left out)
-            rows["rollout beside"] += done[:beside] or done[-1:]
+            within = done[:beside] or done[-1:]
+            rows["rollout beside"] += within
             print(f"round {r + 1}: update alone {rows['update alone'][-1]:.2f} s, beside the engine "
                   f"{rows['update beside'][-1]:.2f} s; rollout alone {rows['rollout alone'][-1]:.2f} s, beside the "
-                  f"update {statistics.median(done[:beside] or done[-1:]):.2f} s", flush=True)
+                  f"update {statistics.median(within):.2f} s", flush=True)
         med = {k: statistics.median(v) for k, v in rows.items()}
         print(f"beside the other against alone: update {med['update beside'] / med['update alone']:.2f}x the time, "
               f"rollout {med['rollout beside'] / med['rollout alone']:.2f}x (medians)", flush=True)
